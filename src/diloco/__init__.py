@@ -1,0 +1,1 @@
+"""Reproduction of OpenDiLoCo (arXiv 2407.07852): DDP, synchronous DiLoCo and asynchronous DumbDiLoCo."""
