@@ -1,0 +1,261 @@
+"""C4-format text -> fixed-length token sequences, sharded per rank, resumable to the exact sample.
+
+One pipeline serves both sources: `allenai/c4` (`en`) streamed from the Hub with the Mistral-7B
+tokenizer on GPU nodes, and the bundled offline sample (same json.gz format, its own small BPE
+tokenizer) everywhere else. Both are read with `datasets.load_dataset(..., streaming=True)`.
+
+Sequences (each `input_ids`/`labels` of shape [seq_len]):
+- packing=false (OpenDiLoCo, the replication setting): one document per sequence, truncated and
+  right-padded to seq_len; pad tokens (= eos = `</s>`) are masked out of the loss with -100.
+- packing=true: documents joined with `</s>` and cut into seq_len chunks; every token is a target.
+
+Sharding (shard s of n): `iid` uses `datasets.distributed.split_dataset_by_node` (whole files when
+the file count divides n, otherwise every n-th document), as OpenDiLoCo does; `noniid` assigns each
+document to shard `sha256(key) % n`, with key the URL's host (`domain`, for C4) or the URL without its
+fragment (`page`, for the sample, whose URLs name their source work), so each shard sees a disjoint
+set of sites/works. Shards never overlap; the train and eval splits are disjoint files.
+
+The iterator's position (dataset state, epoch, packing leftovers) is returned with every batch, so a
+checkpoint stores exactly where the next batch starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import torch
+from omegaconf import DictConfig
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+IGNORE_INDEX = -100
+
+
+class DataError(ValueError):
+    """Bad data input; the message is one readable line."""
+
+
+def asset_path(relative: str) -> str:
+    return str(ASSETS / relative)
+
+
+# ---------------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().exists():
+        raise DataError(f"tokenizer path does not exist: {name_or_path}")
+    tok = AutoTokenizer.from_pretrained(name_or_path)
+    if tok.pad_token is None:  # Mistral ships no pad token; OpenDiLoCo uses </s>
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+# ---------------------------------------------------------------------------------------------------
+# documents
+
+
+def _check_local_files(data_files: dict | None) -> None:
+    """Fail early, with one line, on a missing, empty or corrupt local json.gz shard."""
+    import glob
+
+    if not data_files:
+        return
+    for split, pattern in data_files.items():
+        patterns = [pattern] if isinstance(pattern, str) else list(pattern)
+        for pat in patterns:
+            if "://" in pat:
+                continue
+            files = sorted(glob.glob(pat))
+            if not files:
+                raise DataError(f"data.data_files.{split}: no file matches {pat}")
+            for f in files:
+                _check_json_gz(f)
+
+
+def _check_json_gz(path: str) -> None:
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
+            first = fh.readline()
+            if not first.strip():
+                raise DataError(f"data file is empty: {path}")
+            record = json.loads(first)
+        # read to the end so a truncated gzip stream is found now, not hours into training
+        with gzip.open(path, "rb") as fh:
+            while fh.read(1 << 20):
+                pass
+    except DataError:
+        raise
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"data file is corrupt: {path} ({type(e).__name__}: {e})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise DataError(f"data file is not in C4 format (no 'text' field): {path}")
+
+
+def noniid_shard_of(url: str, key: str, num_shards: int) -> int:
+    """Deterministic shard of a document for non-i.i.d. sharding (same on every machine)."""
+    parts = urlsplit(url or "")
+    if key == "domain":
+        k = parts.netloc.lower()
+    elif key == "page":
+        k = f"{parts.netloc.lower()}{parts.path}"
+    else:
+        raise DataError(f"data.noniid_key must be 'domain' or 'page', got {key!r}")
+    return int.from_bytes(hashlib.sha256(k.encode()).digest()[:8], "big") % num_shards
+
+
+def document_stream(data_cfg: DictConfig, split: str, shard: int = 0, num_shards: int = 1):
+    """A `datasets.IterableDataset` of this shard's documents (dicts with `text` and `url`)."""
+    from datasets import load_dataset
+    from datasets.distributed import split_dataset_by_node
+
+    if not 0 <= shard < num_shards:
+        raise DataError(f"data shard {shard} is outside [0, {num_shards})")
+    data_files = data_cfg.get("data_files")
+    data_files = dict(data_files) if data_files else None
+    _check_local_files(data_files)
+    ds = load_dataset(
+        data_cfg.path, data_cfg.get("config_name"), data_files=data_files, split=split, streaming=True
+    )
+    if num_shards == 1:
+        return ds
+    if data_cfg.sharding == "iid":
+        return split_dataset_by_node(ds, rank=shard, world_size=num_shards)
+    if data_cfg.sharding == "noniid":
+        key = data_cfg.noniid_key
+        return ds.filter(lambda ex: noniid_shard_of(ex.get("url", ""), key, num_shards) == shard)
+    raise DataError(f"data.sharding must be 'iid' or 'noniid', got {data_cfg.sharding!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# sequences
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, seq_len] int64
+    labels: torch.Tensor  # [B, seq_len] int64, IGNORE_INDEX where there is no target
+
+    @property
+    def num_target_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+class SequenceStream:
+    """Endless, resumable stream of [B, seq_len] batches from one shard (epochs repeat the shard)."""
+
+    def __init__(
+        self, data_cfg: DictConfig, tokenizer, split: str, shard: int, num_shards: int, wrap: bool = True
+    ):
+        self.cfg, self.tok, self.split = data_cfg, tokenizer, split
+        self.shard, self.num_shards = shard, num_shards
+        self.seq_len = int(data_cfg.seq_len)
+        self.packing = bool(data_cfg.packing)
+        self.ds = document_stream(data_cfg, split, shard, num_shards)
+        self.wrap = wrap  # False: stop after one pass (evaluation)
+        self.epoch = 0
+        self._buffer: list[int] = []  # packing leftovers
+        self._docs: Iterator | None = None
+        self._ds_state = self.ds.state_dict()
+        self._init_state = copy.deepcopy(self._ds_state)
+
+    # -- position ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "dataset": copy.deepcopy(self._ds_state), "buffer": list(self._buffer)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        self._buffer = list(state["buffer"])
+        self._ds_state = copy.deepcopy(state["dataset"])
+        self.ds.load_state_dict(self._ds_state)
+        self._docs = None
+
+    # -- documents --------------------------------------------------------------------------------
+    def _next_texts(self, n: int) -> list[str]:
+        texts: list[str] = []
+        restarted_empty = False
+        while len(texts) < n:
+            if self._docs is None:
+                self._docs = iter(self.ds)
+            try:
+                texts.append(next(self._docs)["text"])
+                restarted_empty = False
+            except StopIteration:
+                if restarted_empty:
+                    raise DataError(
+                        f"data shard {self.shard}/{self.num_shards} of split {self.split!r} has no documents"
+                    ) from None
+                restarted_empty = True
+                self.epoch += 1  # shard exhausted: start the next epoch from its beginning
+                if not self.wrap:
+                    break
+                self.ds.load_state_dict(copy.deepcopy(self._init_state))
+                self._docs = None
+        return texts
+
+    # -- sequences --------------------------------------------------------------------------------
+    def next_batch(self, batch_size: int) -> Batch | None:
+        """The next batch_size sequences (fewer, or None, at the end of a non-wrapping stream)."""
+        if self.packing:
+            ids = self._packed(batch_size)
+            if ids is None:
+                return None
+            labels = ids.clone()
+        else:
+            texts = self._next_texts(batch_size)
+            if not texts:
+                return None
+            enc = self.tok(
+                texts,
+                max_length=self.seq_len,
+                truncation=True,
+                padding="max_length",
+                return_tensors="pt",
+            )
+            ids = enc["input_ids"]
+            labels = ids.masked_fill(ids == self.tok.pad_token_id, IGNORE_INDEX)
+        self._ds_state = self.ds.state_dict()
+        return Batch(ids.long(), labels.long())
+
+    def _packed(self, batch_size: int) -> torch.Tensor | None:
+        need = batch_size * self.seq_len
+        while len(self._buffer) < need:
+            texts = self._next_texts(batch_size)
+            if not texts:
+                break
+            for ids in self.tok(texts)["input_ids"]:
+                self._buffer.extend(ids)
+                self._buffer.append(self.tok.eos_token_id)
+        rows = min(batch_size, len(self._buffer) // self.seq_len)
+        if rows == 0:
+            return None
+        n = rows * self.seq_len
+        chunk, self._buffer = self._buffer[:n], self._buffer[n:]
+        return torch.tensor(chunk, dtype=torch.long).view(rows, self.seq_len)
+
+
+def eval_batches(
+    data_cfg: DictConfig, tokenizer, num_tokens: int, micro_batch_size: int, shard=0, num_shards=1
+):
+    """The fixed held-out evaluation set: the first num_tokens/seq_len sequences of the eval split."""
+    num_seqs = max(1, int(num_tokens) // int(data_cfg.seq_len))
+    stream = SequenceStream(data_cfg, tokenizer, data_cfg.eval_split, shard, num_shards, wrap=False)
+    out, left = [], num_seqs
+    while left > 0:  # a split smaller than asked is evaluated whole, once
+        b = stream.next_batch(min(micro_batch_size, left))
+        if b is None:
+            break
+        out.append(b)
+        left -= b.input_ids.shape[0]
+    if not out:
+        raise DataError(f"eval split {data_cfg.eval_split!r} has no documents")
+    return out

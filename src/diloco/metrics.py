@@ -1,0 +1,155 @@
+"""Run records: `metrics.jsonl` (one JSON object per logged step), `summary.json`, and W&B.
+
+Metric names follow OpenDiLoCo's W&B runs (`Loss`, `Perplexity`, `lr`, `step`, `effective_step`,
+`total_samples`, `tokens_per_second`, `time_taken`, `outer_lr`, `num_peers`) so reports line up;
+this project's additions use prefixes (`eval/*`, `comm/*`, `outer/*`).
+W&B is online when credentials exist, offline otherwise, `WANDB_MODE` wins, and a W&B failure never
+fails a run: it is reported once and the local records go on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+from pathlib import Path
+
+log = logging.getLogger("diloco")
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+def wandb_mode(configured: str | None) -> str:
+    if configured:
+        return configured
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        if "api.wandb.ai" in netrc.read_text():
+            return "online"
+    except OSError:
+        pass
+    return "offline"
+
+
+def _finite(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+    return v
+
+
+class RunLogger:
+    """Writes the run's metrics on the main rank; a no-op elsewhere."""
+
+    def __init__(self, run_dir: Path, config: dict, wandb_cfg, enabled: bool, resume_step: int | None):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._wandb = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._truncate_after(resume_step)
+        self._fh = open(self.path, "a", buffering=1)
+        self._init_wandb(config, wandb_cfg, resumed=resume_step is not None)
+
+    def _truncate_after(self, step: int | None) -> None:
+        """On resume, drop records past the checkpoint so the file reads as one uninterrupted run."""
+        if not self.path.exists():
+            return
+        keep = []
+        if step is not None:
+            for line in self.path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) <= step:
+                        keep.append(line)
+                except json.JSONDecodeError:
+                    break  # a torn last line from a crash
+        self.path.write_text("".join(line + "\n" for line in keep))
+
+    def _init_wandb(self, config: dict, wandb_cfg, resumed: bool) -> None:
+        mode = wandb_mode(wandb_cfg.get("mode"))
+        if mode == "disabled":
+            return
+        try:
+            import wandb
+
+            id_file = self.run_dir / "wandb_id.txt"
+            run_id = id_file.read_text().strip() if resumed and id_file.exists() else wandb.util.generate_id()
+            id_file.write_text(run_id)
+            self._wandb = wandb.init(
+                project=wandb_cfg.project,
+                entity=wandb_cfg.get("entity"),
+                group=wandb_cfg.get("group"),
+                tags=list(wandb_cfg.get("tags") or []),
+                name=config.get("run_name"),
+                id=run_id,
+                resume="allow",
+                dir=str(self.run_dir),
+                config=config,
+                mode=mode,
+                settings=wandb.Settings(init_timeout=90, silent=True),
+            )
+            if mode == "online" and self._wandb is not None:
+                log.info("W&B run: %s", self._wandb.url)
+        except Exception as e:  # W&B must never take a training run down
+            log.warning(
+                "W&B disabled for this run (%s: %s); metrics.jsonl is still written",
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
+            self._wandb = None
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
+        self._fh.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            try:
+                self._wandb.log(metrics, step=step)
+            except Exception as e:
+                log.warning("W&B log failed (%s); continuing with local records only", e)
+                self._wandb = None
+
+    def write_summary(self, summary: dict) -> None:
+        if not self.enabled:
+            return
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        os.replace(tmp, self.run_dir / "summary.json")
+        if self._wandb is not None:
+            try:
+                flat = {k: v for k, v in summary.items() if isinstance(v, int | float | str)}
+                self._wandb.summary.update(flat)
+            except Exception as e:
+                log.warning("W&B summary failed (%s)", e)
+
+    def close(self, exit_code: int = 0) -> None:
+        if not self.enabled:
+            return
+        self._fh.close()
+        if self._wandb is not None:
+            try:
+                self._wandb.finish(exit_code=exit_code)
+            except Exception as e:
+                log.warning("W&B finish failed (%s)", e)

@@ -1,0 +1,380 @@
+"""Train a Llama on C4 (or the bundled sample): single process, DDP, DiLoCo or DumbDiLoCo.
+
+    python -m diloco.train <hydra overrides>                      # one process
+    torchrun --nproc_per_node G -m diloco.train distributed=ddp   # the same, several ranks
+
+The loop is an ordinary training loop (gradient accumulation, clip, AdamW, schedule, eval,
+checkpoint). The distributed strategy attaches at two points only: `grad_sync` around each
+micro-step (DDP's no_sync while accumulating) and `after_inner_step` after every optimizer step
+(where DiLoCo communicates once every H steps and DumbDiLoCo uploads/installs).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import hydra
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from diloco import checkpoint
+from diloco.checkpoint import CheckpointError
+from diloco.config import ConfigError, validate
+from diloco.data import DataError, SequenceStream, eval_batches, load_tokenizer, noniid_shard_of  # noqa: F401
+from diloco.distributed import DistContext, init_distributed, shutdown_distributed
+from diloco.metrics import RunLogger, git_commit
+from diloco.model import build_model, count_parameters, shape_fingerprint
+
+log = logging.getLogger("diloco")
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
+
+
+def build_strategy(cfg: DictConfig, ctx: DistContext, model, optimizer):
+    """The one place that knows the distributed modes."""
+    mode = cfg.distributed.mode
+    if mode == "none":
+        from diloco.distributed import LocalTraining
+
+        return LocalTraining(ctx)
+    if mode == "ddp":
+        from diloco.distributed import DataParallel
+
+        return DataParallel(cfg.distributed, ctx, model)
+    if mode == "diloco":
+        from diloco.diloco import DiLoCo
+
+        return DiLoCo.from_config(cfg.distributed, ctx, model, optimizer)
+    if mode == "dumb_diloco":
+        from diloco.dumb_diloco.coordinator import DumbDiLoCo
+
+        return DumbDiLoCo.from_config(cfg, ctx, model, optimizer)
+    raise ConfigError(f"distributed.mode must be none, ddp, diloco or dumb_diloco, got {mode!r}")
+
+
+@torch.no_grad()
+def evaluate(model, batches, device, autocast) -> float:
+    """Mean next-token loss over every target token of the fixed held-out set."""
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    for b in batches:
+        ids, labels = b.input_ids.to(device), b.labels.to(device)
+        with autocast:
+            logits = model(input_ids=ids).logits  # [B, T, V]
+        targets = labels[:, 1:]
+        total += F.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
+        count += int((targets != -100).sum())
+    model.train()
+    return float(total) / max(count, 1)
+
+
+class StopFlag:
+    """Ctrl+C / SIGTERM finish the current step, checkpoint, and exit; a second Ctrl+C aborts."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def install(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("stop requested: finishing this step, then writing a checkpoint")
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def setup_logging(run_dir: Path, ctx: DistContext) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    name = "train.log" if ctx.is_main else f"train.rank{ctx.rank}.log"
+    handlers = [logging.FileHandler(run_dir / name)]
+    if ctx.is_main:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    fmt = "%(asctime)s %(levelname)s " + (f"[rank {ctx.rank}] " if ctx.world_size > 1 else "") + "%(message)s"
+    logging.basicConfig(
+        level=logging.INFO if ctx.is_main else logging.WARNING, format=fmt, handlers=handlers, force=True
+    )
+
+
+def run(cfg: DictConfig) -> int:
+    # ----------------------------------------------------------------------------- set-up
+    validate(cfg)
+    ctx = init_distributed(cfg)
+    run_dir = Path(cfg.out_dir) / cfg.run_name
+    setup_logging(run_dir, ctx)
+    torch.manual_seed(cfg.seed + ctx.rank)
+    device = ctx.device
+    use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    if ctx.is_main:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    # ----------------------------------------------------------------------------- data
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if len(tokenizer) > cfg.model.vocab_size:
+        raise ConfigError(
+            f"tokenizer {cfg.data.tokenizer} has {len(tokenizer)} tokens but model.vocab_size={cfg.model.vocab_size}"
+        )
+    shard = cfg.data.shard if cfg.data.shard is not None else ctx.rank
+    num_shards = cfg.data.num_shards if cfg.data.num_shards is not None else ctx.world_size
+    train_stream = SequenceStream(cfg.data, tokenizer, cfg.data.train_split, shard, num_shards)
+    eval_set = eval_batches(cfg.data, tokenizer, cfg.eval.tokens, cfg.eval.micro_batch_size)
+    shard_eval_sets = {}
+    if cfg.data.sharding == "noniid" and num_shards > 1:  # how each shard's own distribution fares
+        for s in range(num_shards):
+            shard_eval_sets[s] = eval_batches(
+                cfg.data, tokenizer, cfg.eval.tokens // num_shards, cfg.eval.micro_batch_size, s, num_shards
+            )
+    per_rank = cfg.train.batch_size // ctx.ranks_per_worker
+    if per_rank * ctx.ranks_per_worker != cfg.train.batch_size or per_rank % cfg.train.micro_batch_size:
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} does not split into {ctx.ranks_per_worker} ranks "
+            f"x whole micro-batches of train.micro_batch_size={cfg.train.micro_batch_size}"
+        )
+    accum = per_rank // cfg.train.micro_batch_size
+
+    # ----------------------------------------------------------------------------- model
+    model = build_model(cfg.model, seed=cfg.seed).to(device)
+    counts = count_parameters(model)
+    fingerprint = shape_fingerprint(model)
+    log.info(
+        "model %s: %.1fM parameters (%.1fM without embeddings)",
+        cfg.model.name,
+        counts["total"] / 1e6,
+        counts["non_embedding"] / 1e6,
+    )
+
+    # ----------------------------------------------------------------------------- optimizers
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
+    )
+    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.optim.total_steps)
+    strategy = build_strategy(cfg, ctx, model, optimizer)
+    train_model = strategy.wrap(model)
+    if cfg.compile:
+        train_model = torch.compile(train_model)
+
+    # ----------------------------------------------------------------------------- resume
+    step, start_time_offset = 0, 0.0
+    ckpt_dir = None
+    if cfg.resume == "auto":
+        ckpt_dir = checkpoint.latest(run_dir)
+    elif cfg.resume != "never":
+        ckpt_dir = Path(cfg.resume)
+        if not ckpt_dir.exists():
+            raise CheckpointError(f"resume={cfg.resume}: no such checkpoint directory")
+    if ckpt_dir is not None:
+        state = checkpoint.load(ckpt_dir, ctx.rank, fingerprint)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        train_stream.load_state_dict(state["data"])
+        strategy.load_state_dict(state["strategy"])
+        checkpoint.set_rng_state(state["rng"])
+        step, start_time_offset = int(state["step"]), float(state["wall_seconds"])
+        log.info("resumed from %s at step %d", ckpt_dir, step)
+
+    logger = RunLogger(
+        run_dir, resolved, cfg.wandb, enabled=ctx.is_main, resume_step=step if ckpt_dir is not None else None
+    )
+
+    def save_checkpoint():
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "data": train_stream.state_dict(),
+            "strategy": strategy.state_dict(),
+            "rng": checkpoint.rng_state(),
+            "step": step,
+            "wall_seconds": wall_seconds(),
+        }
+        meta = {
+            "model": cfg.model.name,
+            "fingerprint": fingerprint,
+            "run_name": cfg.run_name,
+            "world_size": ctx.world_size,
+            "commit": commit,
+        }
+        checkpoint.save(run_dir, step, ctx.rank, state, meta, ctx.barrier, keep=cfg.train.keep_checkpoints)
+
+    # ----------------------------------------------------------------------------- loop
+    commit = git_commit()
+    seq_len, micro = cfg.data.seq_len, cfg.train.micro_batch_size
+    tokens_per_step = cfg.train.batch_size * seq_len  # per DiLoCo worker; global for DDP
+    max_steps = cfg.train.max_steps
+    started = time.perf_counter()
+
+    def wall_seconds():
+        return start_time_offset + time.perf_counter() - started
+
+    stop = StopFlag()
+    stop.install()
+    bar = tqdm(
+        total=max_steps,
+        initial=step,
+        disable=not (ctx.is_main and cfg.train.progress),
+        dynamic_ncols=True,
+        desc=cfg.run_name,
+    )
+    eval_loss = math.nan
+    last_eval_step = -1
+    inner_seconds = 0.0
+    window_start, window_tokens = time.perf_counter(), 0
+    status = "completed"
+    exit_code = 0
+    try:
+        while step < max_steps and not stop.requested:
+            t0 = time.perf_counter()
+            step_loss = torch.zeros((), device=device)
+            for i in range(accum):
+                batch = train_stream.next_batch(micro)
+                with strategy.grad_sync(last_micro_step=i == accum - 1), autocast:
+                    loss = train_model(
+                        input_ids=batch.input_ids.to(device), labels=batch.labels.to(device)
+                    ).loss
+                    (loss / accum).backward()
+                step_loss += loss.detach()
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            step_seconds = time.perf_counter() - t0
+            inner_seconds += step_seconds
+            window_tokens += tokens_per_step
+            outer = strategy.after_inner_step(step)  # DiLoCo: communicate and step the outer optimizer
+
+            if step % cfg.train.log_every == 0 or step == max_steps or outer:
+                now = time.perf_counter()
+                loss_value = step_loss.item() / accum
+                metrics = {
+                    "Loss": loss_value,
+                    "Perplexity": math.exp(min(loss_value, 50)),
+                    "lr": scheduler.get_last_lr()[0],
+                    "effective_step": step * ctx.num_workers,
+                    "total_samples": step * cfg.train.batch_size * ctx.num_workers,
+                    "tokens_per_second": window_tokens / max(now - window_start, 1e-9),
+                    "time_taken": step_seconds,
+                    **outer,
+                }
+                window_start, window_tokens = now, 0
+                logger.log(metrics, step)
+                bar.set_postfix(
+                    loss=f"{loss_value:.3f}",
+                    ppl=f"{metrics['Perplexity']:.1f}",
+                    tok_s=f"{metrics['tokens_per_second']:.0f}",
+                    refresh=False,
+                )
+            bar.update(1)
+
+            if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == max_steps:
+                eval_loss = run_eval(
+                    cfg, model, eval_set, shard_eval_sets, device, autocast, logger, step, ctx
+                )
+                last_eval_step = step
+            if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or step == max_steps:
+                save_checkpoint()
+        if stop.requested:
+            status, exit_code = "interrupted", 130
+            save_checkpoint()
+            log.warning("stopped at step %d; resume with the same command", step)
+        elif last_eval_step != step:
+            eval_loss = run_eval(cfg, model, eval_set, shard_eval_sets, device, autocast, logger, step, ctx)
+    except KeyboardInterrupt:
+        status, exit_code = "aborted", 130
+        log.warning("aborted at step %d; the last complete checkpoint is intact", step)
+    finally:
+        stop.restore()
+        bar.close()
+        wall = wall_seconds()
+        summary = {
+            "run_name": cfg.run_name,
+            "status": status,
+            "step": step,
+            "config_choices": _config_choices(),
+            "final_eval_loss": eval_loss,
+            "final_eval_perplexity": math.exp(min(eval_loss, 50)) if not math.isnan(eval_loss) else None,
+            "tokens_seen": step * tokens_per_step * ctx.num_workers,
+            "wall_seconds": wall,
+            "compute_utilization": inner_seconds / max(wall - start_time_offset, 1e-9),
+            "parameters": counts,
+            "world_size": ctx.world_size,
+            "num_workers": ctx.num_workers,
+            "seed": cfg.seed,
+            "git_commit": commit,
+            "device": str(device),
+            **strategy.summary(),
+            "config": resolved,
+        }
+        logger.write_summary(summary)
+        logger.close(exit_code)
+        strategy.close()
+    if ctx.is_main and status == "completed":
+        log.info(
+            "final eval loss %.4f, perplexity %.2f (step %d, %.0f s)",
+            eval_loss,
+            math.exp(min(eval_loss, 50)),
+            step,
+            wall,
+        )
+        print(f"final eval perplexity: {math.exp(min(eval_loss, 50)):.2f}")
+    shutdown_distributed(ctx)
+    return exit_code
+
+
+def run_eval(cfg, model, eval_set, shard_eval_sets, device, autocast, logger, step, ctx) -> float:
+    loss = evaluate(model, eval_set, device, autocast)
+    metrics = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50))}
+    for s, batches in shard_eval_sets.items():
+        metrics[f"eval/shard{s}/loss"] = evaluate(model, batches, device, autocast)
+    logger.log(metrics, step)
+    if ctx.is_main:
+        log.info("step %d: eval loss %.4f, perplexity %.2f", step, loss, metrics["eval/perplexity"])
+    return loss
+
+
+def _config_choices() -> dict:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return dict(HydraConfig.get().runtime.choices)
+    except Exception:
+        return {}
+
+
+@hydra.main(version_base="1.3", config_path="../../configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        code = run(cfg)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
