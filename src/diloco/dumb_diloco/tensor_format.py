@@ -1,0 +1,576 @@
+"""Wire format of DumbDiLoCo: safetensors files with a strictly validated header.
+
+Nothing in this module unpickles: files are parsed by hand (header) and loaded with
+`safetensors.torch.load` (payload); `torch.load` is never called.
+
+Tensor format and repository layout
+===================================
+
+Repository layout (a Hugging Face model repository, or a shared directory with the same paths)::
+
+    global/latest.safetensors                      full global state_dict (master writes)
+    global/step_count.json                         {"outer_step": N, ...} (master writes)
+    nodes/<node_id>/delta_<local_step>.safetensors one pseudo-gradient per node and inner boundary
+
+Other files may sit beside these; readers ignore what they do not know. The master publishes
+`global/latest.safetensors` and `global/step_count.json` in ONE transport write (one Hub commit),
+so a reader pinned to a revision never sees weights and step count from two different rounds.
+
+File format (safetensors, https://huggingface.co/docs/safetensors/index#format)::
+
+    [8 bytes: little-endian u64 N][N bytes: UTF-8 JSON header][payload]
+
+The JSON header maps each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}``
+(offsets relative to the payload start) and holds string metadata under ``"__metadata__"``.
+Our writer (`encode`) always adds two metadata fields:
+
+=================  ===========================================================================
+``format_version`` ``"1"``: version of this metadata schema (`FORMAT_VERSION`)
+``payload_sha256`` hex SHA-256 of the payload, i.e. every byte after the header
+=================  ===========================================================================
+
+A node delta (`DeltaMeta`) adds, all as strings:
+
+=========================== ===================================================================
+``node_id``                 sender, ``^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$`` and no ``..``
+``local_step``              local optimizer step at which the delta was taken (int >= 0)
+``base_outer_step``         outer step of the global model the baseline came from (int >= 0)
+``tokens_since_baseline``   tokens trained on since the baseline (int >= 0)
+``samples_since_baseline``  samples trained on since the baseline (int >= 0)
+``dtype``                   dtype of the pseudo-gradient tensors (``float32``, ...)
+``created_at``              ISO-8601 UTC time the file was written
+=========================== ===================================================================
+
+Delta tensors hold ``float32(baseline) - float32(current)`` (the pseudo-gradient, DiLoCo
+arXiv 2311.08105 Alg. 1) for every floating-point entry of the state_dict. A complex tensor is
+sent as ``float32(view_as_real(baseline)) - float32(view_as_real(current))`` (shape ``[..., 2]``)
+as the DumbDiLoCo spec says; non-floating buffers are never part of a delta.
+
+What a reader checks before trusting a file (`decode`): size within a cap; not a pickle/zip
+(`torch.save` output renamed to ``.safetensors`` is rejected without unpickling); a header that
+is valid JSON with known dtypes and offsets that tile the payload exactly; the payload SHA-256;
+the expected keys, shapes and dtypes; finite values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import torch
+from safetensors.torch import load as _st_load
+from safetensors.torch import save as _st_save
+
+__all__ = [
+    "DEFAULT_MAX_HEADER_BYTES",
+    "DTYPE_BITS",
+    "FORMAT_VERSION",
+    "GLOBAL_STEP_PATH",
+    "GLOBAL_WEIGHTS_PATH",
+    "META_FORMAT_VERSION",
+    "META_PAYLOAD_SHA256",
+    "NODES_DIR",
+    "DeltaMeta",
+    "InvalidTensorFile",
+    "SafetensorsHeader",
+    "TensorInfo",
+    "decode",
+    "delta_path",
+    "encode",
+    "is_delta_tensor",
+    "parse_delta_path",
+    "parse_header",
+    "pseudo_gradient",
+    "validate_node_id",
+]
+
+FORMAT_VERSION = "1"
+META_FORMAT_VERSION = "format_version"
+META_PAYLOAD_SHA256 = "payload_sha256"
+META_NODE_ID = "node_id"
+META_LOCAL_STEP = "local_step"
+META_BASE_OUTER_STEP = "base_outer_step"
+META_TOKENS = "tokens_since_baseline"
+META_SAMPLES = "samples_since_baseline"
+META_DTYPE = "dtype"
+META_CREATED_AT = "created_at"
+
+GLOBAL_WEIGHTS_PATH = "global/latest.safetensors"
+GLOBAL_STEP_PATH = "global/step_count.json"
+NODES_DIR = "nodes"
+
+# A header of a few hundred tensors is tens of KiB; a cap stops a hostile length prefix from
+# making a reader allocate gigabytes.
+DEFAULT_MAX_HEADER_BYTES = 16 * 1024 * 1024
+
+# Every dtype the safetensors format defines, with its size in bits.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "F8_E8M0": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+}
+
+# The subset `safetensors.torch.load` turns into torch tensors.
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "C64": torch.complex64,
+}
+for _name, _attr in (
+    ("U16", "uint16"),
+    ("U32", "uint32"),
+    ("U64", "uint64"),
+    ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
+):
+    if hasattr(torch, _attr):
+        _TORCH_DTYPES[_name] = getattr(torch, _attr)
+_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _TORCH_DTYPES.items()}
+
+_DELTA_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_DELTA_NAME_RE = re.compile(r"^delta_(0|[1-9][0-9]*)\.safetensors$")
+# Placeholder patched in place after serialisation: same length as a hex SHA-256, so the header
+# length (and every offset) stays the same.
+_SHA_PLACEHOLDER = "f" * 23 + "payload-sha256-pending" + "f" * 19
+
+
+class InvalidTensorFile(ValueError):
+    """A tensor file failed validation; `reason` is one line saying why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str  # safetensors dtype name, e.g. "F32"
+    shape: tuple[int, ...]
+    data_offsets: tuple[int, int]  # [begin, end) relative to the payload start
+
+    @property
+    def nbytes(self) -> int:
+        return self.data_offsets[1] - self.data_offsets[0]
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str]
+    header_len: int  # N, the JSON length; the payload starts at 8 + N
+    payload_size: int  # sum of all tensor sizes (= file size - 8 - N for a valid file)
+
+    @property
+    def payload_offset(self) -> int:
+        return 8 + self.header_len
+
+    @property
+    def file_size(self) -> int:
+        return self.payload_offset + self.payload_size
+
+
+# --------------------------------------------------------------------------- node ids and paths
+
+
+def validate_node_id(node_id: str) -> str:
+    """Return `node_id` if it is a safe path component, else raise ValueError (one line)."""
+    if not isinstance(node_id, str) or not node_id:
+        raise ValueError("node_id must be a non-empty string")
+    if len(node_id) > 64:
+        raise ValueError(f"node_id is {len(node_id)} characters long; at most 64 are allowed")
+    if ".." in node_id:
+        raise ValueError(f"node_id {node_id!r} contains '..'")
+    if not _NODE_ID_RE.fullmatch(node_id):
+        raise ValueError(
+            f"node_id {node_id!r} is not path-safe: use letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (no '/', whitespace or control characters)"
+        )
+    return node_id
+
+
+def delta_path(node_id: str, local_step: int) -> str:
+    """`nodes/<node_id>/delta_<local_step>.safetensors`."""
+    validate_node_id(node_id)
+    if isinstance(local_step, bool) or not isinstance(local_step, int) or local_step < 0:
+        raise ValueError(f"local_step must be an int >= 0, got {local_step!r}")
+    return f"{NODES_DIR}/{node_id}/delta_{local_step}.safetensors"
+
+
+def parse_delta_path(path: str) -> tuple[str, int] | None:
+    """(node_id, local_step) for a delta path, None for anything else."""
+    parts = path.split("/")
+    if len(parts) != 3 or parts[0] != NODES_DIR:
+        return None
+    m = _DELTA_NAME_RE.fullmatch(parts[2])
+    if m is None:
+        return None
+    try:
+        node_id = validate_node_id(parts[1])
+    except ValueError:
+        return None
+    return node_id, int(m.group(1))
+
+
+# --------------------------------------------------------------------------- metadata schema
+
+
+def _parse_nonneg_int(meta: dict[str, str], key: str) -> int:
+    raw = meta.get(key)
+    if raw is None:
+        raise InvalidTensorFile(f"metadata field {key!r} is missing")
+    if not isinstance(raw, str) or not re.fullmatch(r"0|[1-9][0-9]{0,18}", raw):
+        raise InvalidTensorFile(f"metadata field {key!r} is not a non-negative integer: {raw!r}")
+    return int(raw)
+
+
+@dataclass(frozen=True)
+class DeltaMeta:
+    """Metadata of one node delta; every field travels as a string in the safetensors header."""
+
+    node_id: str
+    local_step: int
+    base_outer_step: int
+    tokens_since_baseline: int = 0
+    samples_since_baseline: int = 0
+    dtype: str = "float32"
+    created_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    payload_sha256: str = ""  # filled in by `encode`; read back by `from_header`
+    format_version: str = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        validate_node_id(self.node_id)
+        for name in ("local_step", "base_outer_step", "tokens_since_baseline", "samples_since_baseline"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        if self.dtype not in _DELTA_DTYPES:
+            raise ValueError(f"dtype must be one of {_DELTA_DTYPES}, got {self.dtype!r}")
+        try:
+            datetime.fromisoformat(self.created_at.replace("Z", "+00:00"))
+        except (TypeError, ValueError):
+            raise ValueError(f"created_at is not an ISO-8601 time: {self.created_at!r}") from None
+        if self.payload_sha256 and not re.fullmatch(r"[0-9a-f]{64}", self.payload_sha256):
+            raise ValueError("payload_sha256 must be 64 lowercase hex digits")
+        if self.format_version != FORMAT_VERSION:
+            raise ValueError(f"unsupported format_version {self.format_version!r}")
+
+    def to_header(self) -> dict[str, str]:
+        meta = {
+            META_FORMAT_VERSION: self.format_version,
+            META_NODE_ID: self.node_id,
+            META_LOCAL_STEP: str(self.local_step),
+            META_BASE_OUTER_STEP: str(self.base_outer_step),
+            META_TOKENS: str(self.tokens_since_baseline),
+            META_SAMPLES: str(self.samples_since_baseline),
+            META_DTYPE: self.dtype,
+            META_CREATED_AT: self.created_at,
+        }
+        if self.payload_sha256:
+            meta[META_PAYLOAD_SHA256] = self.payload_sha256
+        return meta
+
+    @classmethod
+    def from_header(cls, meta: dict[str, str]) -> DeltaMeta:
+        """Parse and validate; raises InvalidTensorFile with a one-line reason."""
+        for key in (META_FORMAT_VERSION, META_NODE_ID, META_DTYPE, META_CREATED_AT):
+            if not isinstance(meta.get(key), str):
+                raise InvalidTensorFile(f"metadata field {key!r} is missing")
+        try:
+            return cls(
+                node_id=meta[META_NODE_ID],
+                local_step=_parse_nonneg_int(meta, META_LOCAL_STEP),
+                base_outer_step=_parse_nonneg_int(meta, META_BASE_OUTER_STEP),
+                tokens_since_baseline=_parse_nonneg_int(meta, META_TOKENS),
+                samples_since_baseline=_parse_nonneg_int(meta, META_SAMPLES),
+                dtype=meta[META_DTYPE],
+                created_at=meta[META_CREATED_AT],
+                payload_sha256=meta.get(META_PAYLOAD_SHA256, ""),
+                format_version=meta[META_FORMAT_VERSION],
+            )
+        except ValueError as err:
+            if isinstance(err, InvalidTensorFile):
+                raise
+            raise InvalidTensorFile(f"bad delta metadata: {err}") from None
+
+
+# --------------------------------------------------------------------------- header parsing
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise InvalidTensorFile(f"header has duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _looks_like_pickle(prefix: bytes) -> str | None:
+    if prefix[:4] == b"PK\x03\x04":
+        return "file is a zip archive (torch.save output?), not safetensors; refusing to load it"
+    if len(prefix) >= 2 and prefix[0] == 0x80 and 2 <= prefix[1] <= 5:
+        return "file is a pickle (torch.save output?), not safetensors; refusing to unpickle it"
+    return None
+
+
+def parse_header(
+    blob_prefix: bytes,
+    *,
+    file_size: int | None = None,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+) -> SafetensorsHeader:
+    """Parse and validate the header at the start of a safetensors file.
+
+    `blob_prefix` must hold at least the 8-byte length and the JSON header. When `file_size` is
+    known, the payload described by the header must end exactly at the end of the file.
+    Raises InvalidTensorFile(reason).
+    """
+    prefix = bytes(blob_prefix[:8])
+    if len(prefix) < 8:
+        raise InvalidTensorFile(f"file too short for a safetensors header ({len(prefix)} bytes)")
+    if (why := _looks_like_pickle(prefix)) is not None:
+        raise InvalidTensorFile(why)
+    (header_len,) = struct.unpack("<Q", prefix)
+    if header_len < 2:
+        raise InvalidTensorFile(f"header length {header_len} is too small")
+    if header_len > max_header_bytes:
+        raise InvalidTensorFile(f"header length {header_len} exceeds the cap of {max_header_bytes} bytes")
+    if file_size is not None and 8 + header_len > file_size:
+        raise InvalidTensorFile(f"header length {header_len} runs past the end of a {file_size}-byte file")
+    raw = bytes(blob_prefix[8 : 8 + header_len])
+    if len(raw) < header_len:
+        raise InvalidTensorFile(f"truncated header: expected {header_len} bytes, got {len(raw)}")
+    if raw[:1] != b"{":
+        raise InvalidTensorFile("header is not a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidTensorFile("header is not valid UTF-8") from None
+    try:
+        obj = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+    except json.JSONDecodeError as err:
+        raise InvalidTensorFile(f"header is not valid JSON ({err.msg} at char {err.pos})") from None
+    if not isinstance(obj, dict):
+        raise InvalidTensorFile("header is not a JSON object")
+
+    metadata: dict[str, str] = {}
+    raw_meta = obj.pop("__metadata__", None)
+    if raw_meta is not None:
+        if not isinstance(raw_meta, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in raw_meta.items()
+        ):
+            raise InvalidTensorFile("__metadata__ must map strings to strings")
+        metadata = dict(raw_meta)
+
+    tensors: dict[str, TensorInfo] = {}
+    for name, info in obj.items():
+        if not name:
+            raise InvalidTensorFile("empty tensor name")
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise InvalidTensorFile(f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in DTYPE_BITS:
+            raise InvalidTensorFile(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise InvalidTensorFile(f"tensor {name!r}: shape must be a list of non-negative ints")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+            or offsets[0] > offsets[1]
+        ):
+            raise InvalidTensorFile(
+                f"tensor {name!r}: data_offsets must be [begin, end] with 0 <= begin <= end"
+            )
+        bits = math.prod(shape) * DTYPE_BITS[dtype]
+        if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
+            raise InvalidTensorFile(
+                f"tensor {name!r}: {dtype}{shape} needs {bits / 8:g} bytes but data_offsets "
+                f"span {offsets[1] - offsets[0]}"
+            )
+        tensors[name] = TensorInfo(dtype=dtype, shape=tuple(shape), data_offsets=(offsets[0], offsets[1]))
+
+    # The payload must be tiled exactly: sorted by offset, each tensor starts where the last ended.
+    end = 0
+    for name, info in sorted(tensors.items(), key=lambda kv: kv[1].data_offsets):
+        if info.data_offsets[0] != end:
+            kind = "overlaps the previous tensor" if info.data_offsets[0] < end else "leaves a hole before it"
+            raise InvalidTensorFile(f"tensor {name!r}: data_offsets {list(info.data_offsets)} {kind}")
+        end = info.data_offsets[1]
+    if file_size is not None and 8 + header_len + end != file_size:
+        raise InvalidTensorFile(
+            f"header describes a {end}-byte payload but the file holds {file_size - 8 - header_len} "
+            "payload bytes (truncated or padded file)"
+        )
+    return SafetensorsHeader(tensors=tensors, metadata=metadata, header_len=header_len, payload_size=end)
+
+
+# --------------------------------------------------------------------------- encode / decode
+
+
+def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """Serialise `tensors` (moved to CPU, made contiguous) with `metadata` plus format_version and
+    payload_sha256 in the header."""
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"metadata must map str to str; {key!r} -> {type(value).__name__}")
+    prepared: dict[str, torch.Tensor] = {}
+    seen_storages: set[int] = set()
+    for name, tensor in tensors.items():
+        t = tensor.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+        if ptr and ptr in seen_storages:
+            t = t.clone()  # tied weights share storage; safetensors refuses shared tensors
+        elif ptr:
+            seen_storages.add(ptr)
+        prepared[name] = t
+    meta = {**metadata, META_FORMAT_VERSION: FORMAT_VERSION, META_PAYLOAD_SHA256: _SHA_PLACEHOLDER}
+    blob = bytearray(_st_save(prepared, metadata=meta))
+    (header_len,) = struct.unpack("<Q", bytes(blob[:8]))
+    payload_start = 8 + header_len
+    digest = hashlib.sha256(memoryview(blob)[payload_start:]).hexdigest()
+    needle = _SHA_PLACEHOLDER.encode()
+    at = blob.find(needle, 8, payload_start)
+    if at < 0 or blob.find(needle, at + 1, payload_start) >= 0:
+        raise RuntimeError("could not place payload_sha256 in the safetensors header")
+    blob[at : at + len(needle)] = digest.encode()
+    return bytes(blob)
+
+
+def _torch_dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise ValueError(f"dtype {dtype} has no safetensors equivalent")
+    return name
+
+
+def decode(
+    blob: bytes,
+    *,
+    max_bytes: int,
+    expected: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+    require_finite: bool = True,
+    verify_sha: bool = True,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Validate `blob` completely, then load it. Returns (tensors, metadata).
+
+    `expected` maps each tensor name to (shape, torch dtype); missing or extra names, another
+    shape or dtype are errors. Raises InvalidTensorFile(reason) before loading anything bad.
+    """
+    if len(blob) > max_bytes:
+        raise InvalidTensorFile(f"file is {len(blob)} bytes, over the cap of {max_bytes} bytes")
+    header = parse_header(blob, file_size=len(blob), max_header_bytes=max_header_bytes)
+    meta = header.metadata
+    version = meta.get(META_FORMAT_VERSION)
+    if version is None:
+        raise InvalidTensorFile("metadata has no format_version (not written by this format's encoder)")
+    if version != FORMAT_VERSION:
+        raise InvalidTensorFile(
+            f"unsupported format_version {version!r} (this reader knows {FORMAT_VERSION!r})"
+        )
+    if verify_sha:
+        want = meta.get(META_PAYLOAD_SHA256)
+        if want is None:
+            raise InvalidTensorFile("metadata has no payload_sha256")
+        got = hashlib.sha256(memoryview(blob)[header.payload_offset :]).hexdigest()
+        if got != want:
+            raise InvalidTensorFile(
+                f"payload SHA-256 mismatch: header says {want[:12]}..., payload is {got[:12]}..."
+            )
+    for name, info in header.tensors.items():
+        if info.dtype not in _TORCH_DTYPES:
+            raise InvalidTensorFile(f"tensor {name!r}: dtype {info.dtype} cannot be loaded into torch")
+    if expected is not None:
+        missing = sorted(set(expected) - set(header.tensors))
+        extra = sorted(set(header.tensors) - set(expected))
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing {len(missing)} key(s) e.g. {missing[:3]}")
+            if extra:
+                parts.append(f"unexpected {len(extra)} key(s) e.g. {extra[:3]}")
+            raise InvalidTensorFile("; ".join(parts))
+        for name, (shape, dtype) in expected.items():
+            info = header.tensors[name]
+            if info.shape != tuple(shape):
+                raise InvalidTensorFile(f"tensor {name!r}: shape {list(info.shape)}, expected {list(shape)}")
+            if info.dtype != _torch_dtype_name(dtype):
+                raise InvalidTensorFile(
+                    f"tensor {name!r}: dtype {info.dtype}, expected {_torch_dtype_name(dtype)}"
+                )
+    try:
+        tensors = _st_load(bytes(blob))
+    except Exception as err:  # the Rust parser disagrees with ours: still a bad file
+        raise InvalidTensorFile(f"safetensors refused the file: {str(err).splitlines()[0]}") from None
+    if require_finite:
+        for name, t in tensors.items():
+            if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+                raise InvalidTensorFile(f"tensor {name!r} holds NaN or Inf")
+    return tensors, meta
+
+
+# --------------------------------------------------------------------------- deltas
+
+
+def is_delta_tensor(t: torch.Tensor) -> bool:
+    """Floating and complex tensors take part in deltas; integer/bool buffers do not."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def pseudo_gradient(
+    baseline: dict[str, torch.Tensor], current: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """float32(baseline) - float32(current) for every floating/complex entry (DiLoCo's outer
+    gradient). Complex entries go through `torch.view_as_real`, giving float32 of shape [..., 2]."""
+    if set(baseline) != set(current):
+        diff = sorted(set(baseline) ^ set(current))
+        raise ValueError(f"baseline and current have different keys, e.g. {diff[:3]}")
+    out: dict[str, torch.Tensor] = {}
+    for name, base in baseline.items():
+        cur = current[name]
+        if not is_delta_tensor(base):
+            continue
+        if base.shape != cur.shape or base.is_complex() != cur.is_complex():
+            raise ValueError(f"{name}: baseline {tuple(base.shape)} and current {tuple(cur.shape)} differ")
+        if base.is_complex():
+            base, cur = torch.view_as_real(base), torch.view_as_real(cur)
+        out[name] = base.detach().to(torch.float32) - cur.detach().to(base.device, torch.float32)
+    return out

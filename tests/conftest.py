@@ -1,0 +1,65 @@
+"""Shared pytest fixtures; each section is owned by the part of the code it serves."""
+
+# ======================================================================================
+# DumbDiLoCo transport fixtures (tests/test_transport.py, tests/test_tensor_format.py):
+# a loopback Hugging Face Hub server and a guard that refuses non-loopback connections.
+# ======================================================================================
+import ipaddress as _dd_ipaddress
+import os as _dd_os
+import socket as _dd_socket
+
+import pytest as _dd_pytest
+
+# huggingface_hub reads these at import time; set them before anything imports it.
+_dd_os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+def _dd_is_loopback(address) -> bool:
+    if not isinstance(address, tuple) or not address:
+        return True  # AF_UNIX and friends
+    try:
+        return _dd_ipaddress.ip_address(address[0]).is_loopback
+    except ValueError:
+        return address[0] == "localhost"
+
+
+@_dd_pytest.fixture
+def no_network(monkeypatch):
+    """Fail any socket connection that is not to a loopback address."""
+    real_connect = _dd_socket.socket.connect
+
+    def guarded_connect(sock, address):
+        if sock.family in (_dd_socket.AF_INET, _dd_socket.AF_INET6) and not _dd_is_loopback(address):
+            raise ConnectionRefusedError(f"tests must not touch the network (tried {address!r})")
+        return real_connect(sock, address)
+
+    monkeypatch.setattr(_dd_socket.socket, "connect", guarded_connect)
+
+
+@_dd_pytest.fixture
+def hub_server(monkeypatch, tmp_path, no_network):
+    """A started loopback Hub (tests/hub_server.py); HF_ENDPOINT points at it.
+
+    HF_HUB_OFFLINE is removed rather than set: huggingface_hub's offline mode refuses every
+    request, loopback included. HF_HOME and the token path move to tmp_path so no real
+    credential or cache is used.
+    """
+    import huggingface_hub.constants as hf_constants
+    from hub_server import HubServer
+
+    server = HubServer().start()
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    # Import-time copies of the settings above.
+    monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_TELEMETRY", True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "hf_home" / "token"))
+    monkeypatch.setattr(hf_constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "hf_home" / "stored_tokens"))
+    try:
+        yield server
+    finally:
+        server.stop()
