@@ -1,6 +1,17 @@
 """Shared pytest fixtures; each section is owned by the part of the code it serves."""
 
 # ======================================================================================
+# Whole suite: offline, no W&B network, deterministic single-threaded math where it matters.
+# ======================================================================================
+import os as _os
+
+_os.environ.setdefault("WANDB_MODE", "disabled")
+_os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+_os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+_os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+# ======================================================================================
 # DumbDiLoCo transport fixtures (tests/test_transport.py, tests/test_tensor_format.py):
 # a loopback Hugging Face Hub server and a guard that refuses non-loopback connections.
 # ======================================================================================

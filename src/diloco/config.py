@@ -8,20 +8,11 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from diloco.data import asset_path
+from diloco.data import register_resolvers  # noqa: F401  (configs use ${diloco_asset:...})
 
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key and the problem."""
-
-
-def register_resolvers() -> None:
-    if not OmegaConf.has_resolver("diloco_asset"):
-        # ${diloco_asset:sample/tokenizer} -> absolute path inside the installed package
-        OmegaConf.register_new_resolver("diloco_asset", asset_path)
-
-
-register_resolvers()
 
 
 def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:

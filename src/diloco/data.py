@@ -45,6 +45,17 @@ def asset_path(relative: str) -> str:
     return str(ASSETS / relative)
 
 
+def register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("diloco_asset"):
+        # ${diloco_asset:sample/tokenizer} -> absolute path inside the installed package
+        OmegaConf.register_new_resolver("diloco_asset", asset_path)
+
+
+register_resolvers()
+
+
 # ---------------------------------------------------------------------------------------------------
 # tokenizer
 
@@ -57,6 +68,9 @@ def load_tokenizer(name_or_path: str):
     tok = AutoTokenizer.from_pretrained(name_or_path)
     if tok.pad_token is None:  # Mistral ships no pad token; OpenDiLoCo uses </s>
         tok.pad_token = tok.eos_token
+    # Pads go after the text: with causal attention no real token then attends to a pad, positions
+    # start at 0, and no attention mask is needed (SDPA keeps its fast causal path).
+    tok.padding_side = "right"
     return tok
 
 

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import subprocess
+import uuid
 from pathlib import Path
 
 log = logging.getLogger("diloco")
@@ -94,7 +95,7 @@ class RunLogger:
             import wandb
 
             id_file = self.run_dir / "wandb_id.txt"
-            run_id = id_file.read_text().strip() if resumed and id_file.exists() else wandb.util.generate_id()
+            run_id = id_file.read_text().strip() if resumed and id_file.exists() else uuid.uuid4().hex[:12]
             id_file.write_text(run_id)
             self._wandb = wandb.init(
                 project=wandb_cfg.project,

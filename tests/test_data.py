@@ -1,0 +1,149 @@
+"""Data pipeline: shards never overlap (i.i.d. and non-i.i.d.), train and eval are disjoint, sequences
+are padded and masked the OpenDiLoCo way (or packed), and a stream resumes at the exact next sample."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+from trainer_utils import compose_cfg
+
+from diloco.data import IGNORE_INDEX, DataError, SequenceStream, document_stream, eval_batches, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def data_cfg():
+    return compose_cfg(["data=sample", "data.seq_len=64"]).data
+
+
+@pytest.fixture(scope="module")
+def tok(data_cfg):
+    return load_tokenizer(data_cfg.tokenizer)
+
+
+def _texts(data_cfg, split, shard=0, num_shards=1, sharding="iid"):
+    cfg = data_cfg.copy()
+    cfg.sharding = sharding
+    return [ex["text"] for ex in document_stream(cfg, split, shard, num_shards)]
+
+
+@pytest.fixture(scope="module")
+def all_train(data_cfg):
+    return _texts(data_cfg, "train")
+
+
+@pytest.mark.parametrize("sharding", ["iid", "noniid"])
+@pytest.mark.parametrize("num_shards", [2, 3, 4])
+def test_shards_partition_the_train_split(data_cfg, all_train, sharding, num_shards):
+    shards = [_texts(data_cfg, "train", s, num_shards, sharding) for s in range(num_shards)]
+    assert sorted(t for sh in shards for t in sh) == sorted(all_train)  # nothing lost, nothing doubled
+    for i in range(num_shards):
+        assert len(shards[i]) > 0.3 * len(all_train) / num_shards  # roughly balanced
+        for j in range(i + 1, num_shards):
+            assert not set(shards[i]) & set(shards[j])
+
+
+def test_noniid_shards_hold_disjoint_source_works(data_cfg):
+    cfg = data_cfg.copy()
+    cfg.sharding = "noniid"
+
+    def sources(shard):
+        return {ex["url"].split("#")[0] for ex in document_stream(cfg, "train", shard, 4)}
+
+    per_shard = [sources(s) for s in range(4)]
+    for i in range(4):
+        for j in range(i + 1, 4):
+            assert not per_shard[i] & per_shard[j]
+    # while i.i.d. shards each see (almost) every source work
+    cfg.sharding = "iid"
+    iid0 = sources(0)
+    assert len(iid0) > 2 * max(len(s) for s in per_shard)
+
+
+def test_train_and_eval_are_disjoint(data_cfg, all_train):
+    assert not set(all_train) & set(_texts(data_cfg, "validation"))
+
+
+def test_padding_masks_pads_out_of_the_loss(data_cfg, tok):
+    stream = SequenceStream(data_cfg, tok, "train", 0, 1)
+    batch = stream.next_batch(8)
+    assert batch.input_ids.shape == (8, 64)
+    assert (batch.input_ids[:, 0] == tok.bos_token_id).all()  # Mistral-style BOS
+    pad = batch.input_ids == tok.pad_token_id
+    assert ((batch.labels == IGNORE_INDEX) == pad).all()  # every </s> is masked, as in OpenDiLoCo
+    assert (batch.labels[~pad] == batch.input_ids[~pad]).all()
+    short = SequenceStream(data_cfg, tok, "train", 0, 1)
+    short.seq_len = 4096  # longer than any document: every row ends in pads, none starts with one
+    rows = short.next_batch(4).input_ids
+    assert (rows[:, -1] == tok.pad_token_id).all() and (rows[:, 0] == tok.bos_token_id).all()
+
+
+def test_packing_fills_every_position(data_cfg, tok):
+    cfg = data_cfg.copy()
+    cfg.packing = True
+    batch = SequenceStream(cfg, tok, "train", 0, 1).next_batch(32)
+    assert batch.input_ids.shape == (32, 64) and batch.num_target_tokens == 32 * 64
+    assert (batch.input_ids == tok.eos_token_id).any()  # documents are separated by </s>
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_stream_resumes_at_the_exact_next_batch(data_cfg, tok, packing):
+    cfg = data_cfg.copy()
+    cfg.packing = packing
+    a = SequenceStream(cfg, tok, "train", 1, 2)
+    for _ in range(3):
+        a.next_batch(5)
+    state = json.loads(json.dumps(a.state_dict()))  # survives serialisation
+    expected = [a.next_batch(5) for _ in range(3)]
+    b = SequenceStream(cfg, tok, "train", 1, 2)
+    b.load_state_dict(state)
+    for want in expected:
+        got = b.next_batch(5)
+        assert (got.input_ids == want.input_ids).all() and (got.labels == want.labels).all()
+
+
+def test_stream_repeats_the_shard_in_epochs(tmp_path, data_cfg, tok):
+    path = tmp_path / "c4-train.00000-of-00001.json.gz"
+    with gzip.open(path, "wt") as fh:
+        for i in range(3):
+            fh.write(json.dumps({"text": f"document number {i}", "url": f"https://x.org/{i}"}) + "\n")
+    cfg = data_cfg.copy()
+    cfg.data_files = {"train": str(path), "validation": str(path)}
+    stream = SequenceStream(cfg, tok, "train", 0, 1)
+    first = stream.next_batch(3).input_ids
+    second = stream.next_batch(3).input_ids
+    assert stream.epoch == 1 and (first == second).all()
+
+
+def test_eval_set_is_fixed_size_and_deterministic(data_cfg, tok):
+    a = eval_batches(data_cfg, tok, num_tokens=64 * 10, micro_batch_size=4)
+    b = eval_batches(data_cfg, tok, num_tokens=64 * 10, micro_batch_size=4)
+    assert [x.input_ids.shape[0] for x in a] == [4, 4, 2]
+    assert all((x.input_ids == y.input_ids).all() for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no file matches"),
+        (b"", "empty"),
+        (b"not gzip at all", "corrupt"),
+        ("truncated", "corrupt"),
+        ('{"txt": "no text field"}\n', "not in C4 format"),
+    ],
+)
+def test_bad_data_files_are_named(tmp_path, data_cfg, content, message):
+    path = tmp_path / "c4-train.00000-of-00001.json.gz"
+    if isinstance(content, bytes):
+        path.write_bytes(content if content else gzip.compress(b""))
+    elif content == "truncated":
+        good = gzip.compress(("\n".join(json.dumps({"text": "x" * 50}) for _ in range(2000))).encode())
+        path.write_bytes(good[: len(good) // 2])
+    elif content is not None:
+        path.write_bytes(gzip.compress(content.encode()))
+    cfg = data_cfg.copy()
+    cfg.data_files = {"train": str(path), "validation": str(path)}
+    with pytest.raises(DataError, match=message) as err:
+        document_stream(cfg, "train")
+    assert "\n" not in str(err.value)
