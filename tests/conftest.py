@@ -36,15 +36,23 @@ def _dd_is_loopback(address) -> bool:
 
 @_dd_pytest.fixture
 def no_network(monkeypatch):
-    """Fail any socket connection that is not to a loopback address."""
+    """Fail any name lookup or socket connection that is not for a loopback address."""
     real_connect = _dd_socket.socket.connect
+    real_getaddrinfo = _dd_socket.getaddrinfo
 
     def guarded_connect(sock, address):
         if sock.family in (_dd_socket.AF_INET, _dd_socket.AF_INET6) and not _dd_is_loopback(address):
             raise ConnectionRefusedError(f"tests must not touch the network (tried {address!r})")
         return real_connect(sock, address)
 
+    def guarded_getaddrinfo(host, *args, **kwargs):
+        name = host.decode() if isinstance(host, bytes) else host
+        if name is not None and not _dd_is_loopback((name,)):
+            raise _dd_socket.gaierror(f"tests must not touch the network (tried to resolve {name!r})")
+        return real_getaddrinfo(host, *args, **kwargs)
+
     monkeypatch.setattr(_dd_socket.socket, "connect", guarded_connect)
+    monkeypatch.setattr(_dd_socket, "getaddrinfo", guarded_getaddrinfo)
 
 
 @_dd_pytest.fixture

@@ -121,7 +121,9 @@ class HubServer:
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, args=(0.05,), name="hub-server", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -237,6 +239,7 @@ _RESOLVE_RE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<pa
 class _Handler(BaseHTTPRequestHandler):
     hub: HubServer
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # else small keep-alive responses wait for delayed ACKs (~40 ms)
 
     def log_message(self, format, *args):  # noqa: A002 - stdlib signature
         pass
@@ -266,9 +269,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         self.end_headers()
         if body and not head:
-            self.wfile.write(body)
-            with self.hub._lock:
+            with self.hub._lock:  # counted before sending, so a client never outruns the count
                 self.hub.bytes_out[kind] += len(body)
+            self.wfile.write(body)
 
     def _json(self, status: int, obj, headers: dict | None = None, kind: str = ""):
         self._send(status, json.dumps(obj).encode(), headers, kind)

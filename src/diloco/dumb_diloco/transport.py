@@ -26,6 +26,11 @@ JSON header with two HTTP Range requests. The Hub limits commits (about 128 per 
 repository): `commits_last_hour()` counts this process's commits, a warning is logged near the
 limit and on every 429, and `check_commit_budget` estimates a run's commit rate up front.
 The token is handed to `HfApi` and never logged, put in exception text or in a repr.
+Limits of the client (huggingface_hub 2.4): its shared HTTP client has no timeout and
+`create_commit`/`list_repo_tree` take none, so only our own GETs and `repo_info` are bounded by
+`timeout_s`; the client itself retries `preupload` and tree pages (up to 5 times, 1-8 s) inside
+one of our attempts. Large binary files go through LFS/Xet on the real Hub (hf_xet is installed);
+the loopback test server answers "regular" for every file, so that path is not tested offline.
 
 Directory transport: on-disk scheme
 -----------------------------------
@@ -130,15 +135,27 @@ class RemoteFile:
 
 @runtime_checkable
 class Transport(Protocol):
-    def revision(self) -> str: ...
+    """Paths are relative POSIX paths (`validate_repo_path`). `revision=None` means the newest
+    revision at the time of the call; to read several files consistently, take `revision()`
+    once and pass it to every read."""
 
-    def list(self, prefix: str, revision: str | None = None) -> list[RemoteFile]: ...
+    def revision(self) -> str:
+        """Current revision id (Hub: commit sha; directory: zero-padded counter)."""
+        ...
 
-    def read(self, path: str, revision: str | None = None, max_bytes: int | None = None) -> bytes: ...
+    def list(self, prefix: str, revision: str | None = None) -> list[RemoteFile]:
+        """Files under the directory `prefix` ("" for all), recursively, sorted by path."""
+        ...
+
+    def read(self, path: str, revision: str | None = None, max_bytes: int | None = None) -> bytes:
+        """File contents; FileTooLarge above `max_bytes`, RemoteNotFound if absent."""
+        ...
 
     def read_header(
         self, path: str, revision: str | None = None, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
-    ) -> SafetensorsHeader: ...
+    ) -> SafetensorsHeader:
+        """The validated safetensors header, without reading the payload."""
+        ...
 
     def write(
         self,
@@ -146,9 +163,14 @@ class Transport(Protocol):
         delete: Sequence[str] = (),
         message: str = "",
         parent_revision: str | None = None,
-    ) -> str: ...
+    ) -> str:
+        """Write `files` and delete `delete` as one atomic unit; returns the new revision.
+        RevisionConflict if `parent_revision` is given and is no longer the newest."""
+        ...
 
-    def delete(self, paths: Sequence[str]) -> str: ...
+    def delete(self, paths: Sequence[str]) -> str:
+        """Delete `paths` as one unit (RemoteNotFound if one is absent); returns the new revision."""
+        ...
 
 
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
@@ -271,7 +293,7 @@ class HubTransport:
         self._sleep = sleep
         self._lock = threading.Lock()
         self._commit_times: collections.deque[float] = collections.deque()
-        self._last_rate_warning = 0.0
+        self._last_rate_warning = float("-inf")
         if create:
             self._call(
                 "create repository",
@@ -288,9 +310,10 @@ class HubTransport:
             text = text.replace(self._token, "***")
         return _TOKEN_RE.sub(r"\1***", text)
 
-    def _describe(self, err: BaseException) -> str:
+    def _describe(self, err: BaseException, status: int | None = None) -> str:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        return self._scrub(f"{type(err).__name__}: {first}")[:400]
+        http = f"HTTP {status} " if status is not None else ""
+        return self._scrub(f"{http}{type(err).__name__}: {first}")[:400]
 
     def _classify(self, err: BaseException) -> tuple[str, float | None, int | None]:
         """(kind, retry_after, status) with kind in transient/conflict/not_found/fatal/raise."""
@@ -341,7 +364,7 @@ class HubTransport:
                                 "%s: the previous attempt had been applied; not sending it again", what
                             )
                             return done
-                desc = self._describe(err)
+                desc = self._describe(err, status)
                 if kind == "conflict":
                     raise RevisionConflict(f"{what}: the repository moved on ({desc})") from None
                 if kind == "not_found":
@@ -837,7 +860,15 @@ class DirectoryTransport:
             self._gc({s[1] for s in staged})
         return f"{rev:012d}"
 
-    def _commit(self, files, delete, staged, unit: str, message: str, parent: int | None) -> int:
+    def _commit(
+        self,
+        files: dict[str, bytes],
+        delete: list[str],
+        staged: list[tuple[str, Path, Path, bool]],
+        unit: str,
+        message: str,
+        parent: int | None,
+    ) -> int:
         """Move the staged files to the versioned names of revision head+1 and link the log
         record; on a lost race, move them to the next number. Updates `staged` in place."""
         while True:

@@ -1,0 +1,366 @@
+"""DumbDiLoCo wire format: safetensors with a strictly validated header, never pickle."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save as st_save
+
+from diloco.dumb_diloco import tensor_format as tf
+from diloco.dumb_diloco.tensor_format import (
+    DeltaMeta,
+    InvalidTensorFile,
+    decode,
+    delta_path,
+    encode,
+    is_delta_tensor,
+    parse_delta_path,
+    parse_header,
+    pseudo_gradient,
+    validate_node_id,
+)
+
+pytestmark = pytest.mark.usefixtures("no_network")
+CAP = 1 << 20
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(5, 3, generator=g),
+        "norm.weight": torch.randn(3, generator=g).to(torch.bfloat16),
+        "rope.freqs": torch.randn(2, 2, generator=g, dtype=torch.complex64),
+        "steps": torch.arange(4, dtype=torch.int64),
+        "mask": torch.tensor([True, False]),
+    }
+
+
+def _craft(header: dict, payload: bytes) -> bytes:
+    """A file with a hand-written header (for headers that lie)."""
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + payload
+
+
+def _meta_for(payload: bytes) -> dict:
+    return {"format_version": "1", "payload_sha256": hashlib.sha256(payload).hexdigest()}
+
+
+# ------------------------------------------------------------------ round trip
+
+
+def test_round_trip_keeps_tensors_and_metadata():
+    state = _state()
+    blob = encode(state, {"node_id": "w1"})
+    tensors, meta = decode(blob, max_bytes=CAP)
+    assert set(tensors) == set(state)
+    for k, v in state.items():
+        assert tensors[k].dtype == v.dtype and torch.equal(tensors[k], v), k
+    assert meta["node_id"] == "w1" and meta["format_version"] == tf.FORMAT_VERSION
+    header = parse_header(blob, file_size=len(blob))
+    assert meta["payload_sha256"] == hashlib.sha256(blob[header.payload_offset :]).hexdigest()
+    assert header.file_size == len(blob)
+    assert header.tensors["embed.weight"].shape == (5, 3) and header.tensors["embed.weight"].dtype == "F32"
+
+
+def test_encode_accepts_tied_and_non_contiguous_tensors():
+    w = torch.randn(4, 6)
+    blob = encode({"embed": w, "lm_head": w, "t": w.t()}, {})
+    tensors, _ = decode(blob, max_bytes=CAP)
+    assert torch.equal(tensors["lm_head"], w) and torch.equal(tensors["t"], w.t())
+
+
+def test_expected_keys_shapes_dtypes_accepted():
+    state = _state()
+    blob = encode(state, {})
+    expected = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    decode(blob, max_bytes=CAP, expected=expected)
+
+
+# ------------------------------------------------------------------ rejections
+
+
+def test_sha_mismatch_rejected():
+    blob = bytearray(encode({"w": torch.ones(8)}, {}))
+    blob[-1] ^= 0x01  # flip one payload bit
+    with pytest.raises(InvalidTensorFile, match="SHA-256 mismatch"):
+        decode(bytes(blob), max_bytes=CAP)
+    decode(bytes(blob), max_bytes=CAP, verify_sha=False)  # structurally fine
+
+
+@pytest.mark.parametrize(
+    "entries, match",
+    [
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            "overlaps",
+        ),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [1], "data_offsets": [12, 16]},
+            },
+            "hole",
+        ),
+        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, "needs 12 bytes"),
+        ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, "payload"),  # past end of file
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, "begin <= end"),
+        ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, "non-negative"),
+        ({"a": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, "unknown dtype"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "x": 1}}, "exactly"),
+        ({"__metadata__": {"k": 1}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, "strings"),
+    ],
+)
+def test_header_that_lies_is_rejected(entries, match):
+    payload = bytes(8)
+    blob = _craft({**entries, "__metadata__": entries.get("__metadata__", _meta_for(payload))}, payload)
+    with pytest.raises(InvalidTensorFile, match=match):
+        decode(blob, max_bytes=CAP)
+
+
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        (b"[1, 2]", "JSON object"),
+        (b"{not json}", "not valid JSON"),
+        (b'{"a": 1, "a": 2}', "duplicate key"),
+        (b'{"\xff": 1}', "UTF-8"),
+    ],
+)
+def test_malformed_json_header_rejected(raw, match):
+    blob = struct.pack("<Q", len(raw)) + raw
+    with pytest.raises(InvalidTensorFile, match=match):
+        parse_header(blob, file_size=len(blob))
+
+
+def test_truncated_files_rejected():
+    blob = encode({"w": torch.ones(16)}, {})
+    with pytest.raises(InvalidTensorFile, match="truncated|payload"):
+        decode(blob[:-4], max_bytes=CAP)
+    n = struct.unpack("<Q", blob[:8])[0]
+    with pytest.raises(InvalidTensorFile, match="truncated header|past the end"):
+        decode(blob[: 8 + n // 2], max_bytes=CAP)
+    with pytest.raises(InvalidTensorFile, match="too short"):
+        decode(blob[:5], max_bytes=CAP)
+
+
+def test_size_caps():
+    blob = encode({"w": torch.ones(64)}, {})
+    with pytest.raises(InvalidTensorFile, match="over the cap"):
+        decode(blob, max_bytes=len(blob) - 1)
+    huge = struct.pack("<Q", 1 << 60) + b"{}"
+    with pytest.raises(InvalidTensorFile, match="exceeds the cap"):
+        parse_header(huge)
+    with pytest.raises(InvalidTensorFile, match="exceeds the cap"):
+        parse_header(blob, max_header_bytes=16)
+
+
+class _Trap:
+    """Unpickling this object calls `_spring`."""
+
+    def __reduce__(self):
+        return (_spring, ())
+
+
+SPRUNG: list[int] = []
+
+
+def _spring():
+    SPRUNG.append(1)
+    return "sprung"
+
+
+@pytest.mark.parametrize("zipfile", [True, False], ids=["zip", "legacy-pickle"])
+def test_torch_save_file_renamed_is_rejected_without_unpickling(zipfile, monkeypatch):
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(3), "trap": _Trap()}, buf, _use_new_zipfile_serialization=zipfile)
+    blob = buf.getvalue()
+
+    def no_torch_load(*a, **k):
+        raise AssertionError("torch.load must never be called")
+
+    monkeypatch.setattr(torch, "load", no_torch_load)
+    with pytest.raises(InvalidTensorFile, match="torch.save"):
+        decode(blob, max_bytes=CAP)
+    with pytest.raises(InvalidTensorFile, match="torch.save"):
+        parse_header(blob)
+    assert SPRUNG == []
+
+
+def test_missing_and_extra_keys_rejected():
+    blob = encode({"a": torch.ones(2), "extra": torch.ones(1)}, {})
+    expected = {"a": ((2,), torch.float32), "b": ((2,), torch.float32)}
+    with pytest.raises(InvalidTensorFile, match=r"missing 1 key\(s\).*'b'.*unexpected 1 key\(s\).*'extra'"):
+        decode(blob, max_bytes=CAP, expected=expected)
+
+
+def test_wrong_shape_and_dtype_rejected():
+    blob = encode({"a": torch.ones(2, 3)}, {})
+    with pytest.raises(InvalidTensorFile, match=r"shape \[2, 3\], expected \[3, 2\]"):
+        decode(blob, max_bytes=CAP, expected={"a": ((3, 2), torch.float32)})
+    with pytest.raises(InvalidTensorFile, match="dtype F32, expected BF16"):
+        decode(blob, max_bytes=CAP, expected={"a": ((2, 3), torch.bfloat16)})
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_rejected(bad):
+    t = torch.ones(4)
+    t[2] = bad
+    blob = encode({"a": t}, {})
+    with pytest.raises(InvalidTensorFile, match="NaN or Inf"):
+        decode(blob, max_bytes=CAP)
+    tensors, _ = decode(blob, max_bytes=CAP, require_finite=False)
+    assert not torch.isfinite(tensors["a"]).all()
+
+
+def test_complex_nan_rejected():
+    blob = encode({"z": torch.tensor([1 + 1j, complex(float("nan"), 0)], dtype=torch.complex64)}, {})
+    with pytest.raises(InvalidTensorFile, match="NaN or Inf"):
+        decode(blob, max_bytes=CAP)
+
+
+def test_format_version_required():
+    payload = bytes(8)
+    header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    blob = st_save({"a": torch.zeros(2)})  # a valid safetensors file written by someone else
+    with pytest.raises(InvalidTensorFile, match="no format_version"):
+        decode(blob, max_bytes=CAP)
+    meta = {**_meta_for(payload), "format_version": "99"}
+    with pytest.raises(InvalidTensorFile, match="unsupported format_version"):
+        decode(_craft({**header, "__metadata__": meta}, payload), max_bytes=CAP)
+
+
+def test_parse_header_reads_only_the_prefix():
+    blob = encode({"w": torch.ones(1000)}, {"k": "v"})
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = parse_header(blob[: 8 + n], file_size=len(blob))
+    assert header.payload_size == 4000 and header.metadata["k"] == "v"
+
+
+# ------------------------------------------------------------------ deltas
+
+
+def test_pseudo_gradient_is_float32_baseline_minus_current():
+    base = {"w": torch.tensor([1.0, 2.0], dtype=torch.bfloat16), "n": torch.tensor([3], dtype=torch.int64)}
+    cur = {"w": torch.tensor([0.5, 3.0], dtype=torch.bfloat16), "n": torch.tensor([5], dtype=torch.int64)}
+    delta = pseudo_gradient(base, cur)
+    assert set(delta) == {"w"}  # non-floating buffers excluded
+    assert delta["w"].dtype == torch.float32
+    assert torch.equal(delta["w"], torch.tensor([0.5, -1.0]))
+
+
+def test_pseudo_gradient_complex_goes_through_view_as_real():
+    base = {"z": torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)}
+    cur = {"z": torch.tensor([0 + 1j, 1 + 1j], dtype=torch.complex64)}
+    delta = pseudo_gradient(base, cur)
+    assert delta["z"].dtype == torch.float32 and delta["z"].shape == (2, 2)
+    assert torch.equal(delta["z"], torch.tensor([[1.0, 1.0], [2.0, -2.0]]))
+    blob = encode(delta, {})
+    decoded, _ = decode(blob, max_bytes=CAP, expected={"z": ((2, 2), torch.float32)})
+    assert torch.equal(decoded["z"], delta["z"])
+
+
+def test_pseudo_gradient_key_mismatch():
+    with pytest.raises(ValueError, match="different keys"):
+        pseudo_gradient({"a": torch.ones(1)}, {"b": torch.ones(1)})
+    with pytest.raises(ValueError, match="differ"):
+        pseudo_gradient({"a": torch.ones(2)}, {"a": torch.ones(3)})
+
+
+def test_is_delta_tensor():
+    assert is_delta_tensor(torch.ones(1)) and is_delta_tensor(torch.ones(1, dtype=torch.bfloat16))
+    assert is_delta_tensor(torch.ones(1, dtype=torch.complex64))
+    assert not is_delta_tensor(torch.ones(1, dtype=torch.int64))
+    assert not is_delta_tensor(torch.ones(1, dtype=torch.bool))
+
+
+# ------------------------------------------------------------------ metadata and node ids
+
+
+@pytest.mark.parametrize("node_id", ["master-1", "worker_2", "a", "A.b-c_d", "9", "x" * 64, "node.v2"])
+def test_valid_node_ids(node_id):
+    assert validate_node_id(node_id) == node_id
+
+
+@pytest.mark.parametrize(
+    "node_id, match",
+    [
+        ("", "non-empty"),
+        ("a/b", "not path-safe"),
+        ("../etc", r"'\.\.'"),
+        ("a..b", r"'\.\.'"),
+        ("..", r"'\.\.'"),
+        (".hidden", "not path-safe"),
+        ("-flag", "not path-safe"),
+        ("a b", "not path-safe"),
+        ("a\tb", "not path-safe"),
+        ("a\nb", "not path-safe"),
+        ("a\x00b", "not path-safe"),
+        ("a\\b", "not path-safe"),
+        ("wörker", "not path-safe"),
+        ("x" * 65, "at most 64"),
+        (None, "non-empty"),
+    ],
+)
+def test_invalid_node_ids(node_id, match):
+    with pytest.raises(ValueError, match=match) as info:
+        validate_node_id(node_id)
+    assert "\n" not in str(info.value).replace("\\n", "")
+
+
+def test_delta_meta_round_trip_through_a_file():
+    meta = DeltaMeta(
+        node_id="w-1", local_step=500, base_outer_step=3, tokens_since_baseline=1024, samples_since_baseline=8
+    )
+    blob = encode(pseudo_gradient({"w": torch.ones(2)}, {"w": torch.zeros(2)}), meta.to_header())
+    _, header_meta = decode(blob, max_bytes=CAP)
+    back = DeltaMeta.from_header(header_meta)
+    assert back.payload_sha256 == header_meta["payload_sha256"]
+    assert back == DeltaMeta(**{**meta.__dict__, "payload_sha256": back.payload_sha256})
+    assert all(isinstance(v, str) for v in meta.to_header().values())
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"local_step": "-1"}, "non-negative integer"),
+        ({"local_step": "1e3"}, "non-negative integer"),
+        ({"base_outer_step": None}, "missing"),
+        ({"node_id": "../x"}, "bad delta metadata"),
+        ({"dtype": "int8"}, "bad delta metadata"),
+        ({"created_at": "yesterday"}, "bad delta metadata"),
+        ({"format_version": "2"}, "bad delta metadata"),
+    ],
+)
+def test_delta_meta_from_bad_header(change, match):
+    header = DeltaMeta(node_id="w", local_step=1, base_outer_step=0).to_header()
+    for k, v in change.items():
+        if v is None:
+            header.pop(k)
+        else:
+            header[k] = v
+    with pytest.raises(InvalidTensorFile, match=match):
+        DeltaMeta.from_header(header)
+
+
+def test_delta_paths():
+    assert delta_path("worker-1", 500) == "nodes/worker-1/delta_500.safetensors"
+    assert parse_delta_path("nodes/worker-1/delta_500.safetensors") == ("worker-1", 500)
+    for other in [
+        "global/latest.safetensors",
+        "nodes/w/delta_05.safetensors",
+        "nodes/../delta_1.safetensors",
+        "nodes/w/x/delta_1.safetensors",
+    ]:
+        assert parse_delta_path(other) is None
+    with pytest.raises(ValueError):
+        delta_path("a/b", 1)
+    with pytest.raises(ValueError):
+        delta_path("a", -1)
