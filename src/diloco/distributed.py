@@ -4,12 +4,18 @@ about ranks; the model and the data pipeline are given a shard index and nothing
 
 from __future__ import annotations
 
+import inspect
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from diloco.config import ConfigError
 
 
 @dataclass
@@ -81,13 +87,160 @@ class LocalTraining:
         pass
 
 
+class DistributedError(RuntimeError):
+    """Ranks that cannot train together (different models, a dead peer); one readable line."""
+
+
+def _resolve_topology(dcfg, world_size: int, local_world_size: int) -> int:
+    """Ranks per worker G: the whole world for DDP; `ranks_per_worker` (default: ranks per node) otherwise."""
+    if dcfg.mode == "ddp":
+        return world_size
+    g = dcfg.get("ranks_per_worker") or local_world_size
+    if not isinstance(g, int) or g < 1:
+        raise ConfigError(f"distributed.ranks_per_worker must be a positive integer or null, got {g!r}")
+    if world_size % g:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by distributed.ranks_per_worker={g}: "
+            f"every DiLoCo worker needs the same number of ranks"
+        )
+    return g
+
+
+def check_mode_config(dcfg) -> None:
+    """The distributed block's own checks, before any process group exists."""
+    timeout = dcfg.get("timeout_seconds")
+    if dcfg.mode in ("ddp", "diloco") and (
+        not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0
+    ):
+        raise ConfigError(f"distributed.timeout_seconds must be a positive number, got {timeout!r}")
+    if dcfg.mode == "diloco":
+        from diloco.diloco import check_config
+
+        check_config(dcfg)
+
+
 def init_distributed(cfg) -> DistContext:
-    """Single process unless launched by torchrun; the multi-rank topologies come with their modes."""
-    mode = cfg.distributed.mode
+    """Join the process group torchrun describes and build the DiLoCo topology.
+
+    W workers of G consecutive ranks: worker w is ranks [w*G, (w+1)*G). Inside a worker the G ranks
+    share one batch through DDP (`worker_group`); the ranks with the same index j in every worker form
+    `cross_group` j, over which pseudo-gradients are averaged. DDP is one worker of all ranks.
+    Every rank creates every group, in the same order, as torch.distributed requires.
+    """
+    dcfg = cfg.distributed
+    check_mode_config(dcfg)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        return DistContext(device=pick_device(cfg.device, local_rank))
-    raise NotImplementedError(f"distributed.mode={mode} under torchrun")
+        return DistContext(local_rank=local_rank, device=pick_device(cfg.device, local_rank))
+    if dcfg.mode == "none":
+        raise ConfigError(
+            f"launched with {os.environ['WORLD_SIZE']} ranks but distributed=none; choose distributed=ddp or diloco"
+        )
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    g = _resolve_topology(dcfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    device = pick_device(cfg.device, local_rank)
+    timeout = timedelta(seconds=float(dcfg.timeout_seconds)) if dcfg.get("timeout_seconds") else None
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    ctx = DistContext(rank, world, local_rank, device, world // g, rank // g, g)
+    if dcfg.mode == "ddp":  # one worker of all ranks (the default group): nobody to average with
+        return ctx
+    for w in range(ctx.num_workers):
+        group = dist.new_group(list(range(w * g, (w + 1) * g)), timeout=timeout)
+        if w == ctx.worker_id:
+            ctx.worker_group = group
+    for j in range(g):
+        group = dist.new_group(list(range(j, world, g)), timeout=timeout)
+        if j == rank % g:
+            ctx.cross_group = group
+    return ctx
+
+
+def check_same_model(ctx: DistContext, model: torch.nn.Module) -> None:
+    """Refuse to start when ranks built different models (compares shape fingerprints, at start)."""
+    if not ctx.initialized:
+        return
+    from diloco.model import shape_fingerprint
+
+    prints: list = [None] * ctx.world_size
+    dist.all_gather_object(prints, shape_fingerprint(model))
+    if len(set(prints)) > 1:
+        by_print: dict[str, list[int]] = {}
+        for r, p in enumerate(prints):
+            by_print.setdefault(p, []).append(r)
+        groups = "; ".join(f"ranks {ranks} have {p}" for p, ranks in by_print.items())
+        raise DistributedError(f"model shapes differ across ranks (parameter fingerprints: {groups})")
+
+
+class DataParallel:
+    """DDP over `group` (all ranks for distributed=ddp; one worker's ranks inside DiLoCo).
+
+    The gradient all-reduce runs through a comm hook that counts the bytes of every bucket it sends,
+    so the reported communication is measured, not computed from the parameter count.
+    """
+
+    name = "ddp"
+
+    def __init__(self, dcfg, ctx: DistContext, model: torch.nn.Module, group=None):
+        check_same_model(ctx, model)
+        self.ctx, self.group = ctx, group
+        self.size = dist.get_world_size(group) if ctx.initialized else 1
+        self.bucket_cap_mb = dcfg.get("ddp_bucket_cap_mb")  # None: DDP's default
+        self.log_every = int(dcfg.get("comm_log_every") or 0)
+        self.ddp = None
+        self.total_bytes = 0  # bytes this rank handed to gradient all-reduces
+        self._logged_bytes, self._logged_step = 0, 0
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.size == 1:
+            return model
+        device_ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+        # buffers (rotary frequencies) are computed identically on every rank: never re-broadcast them
+        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
+        self.ddp = DDP(
+            model,
+            device_ids=device_ids,
+            process_group=self.group,
+            bucket_cap_mb=self.bucket_cap_mb,
+            **{no_sync: False},
+        )
+        self.ddp.register_comm_hook(self, _counting_allreduce_hook)
+        return self.ddp
+
+    def grad_sync(self, last_micro_step: bool):
+        return self.ddp.no_sync() if self.ddp is not None and not last_micro_step else nullcontext()
+
+    def after_inner_step(self, step: int) -> dict[str, float]:
+        if not self.log_every or step % self.log_every:
+            return {}
+        per_step = (self.total_bytes - self._logged_bytes) / max(step - self._logged_step, 1)
+        self._logged_bytes, self._logged_step = self.total_bytes, step
+        return {"comm/bytes_per_step": per_step, "comm/total_bytes": self.total_bytes}
+
+    def state_dict(self) -> dict:
+        return {
+            "total_bytes": self.total_bytes,
+            "logged_bytes": self._logged_bytes,
+            "logged_step": self._logged_step,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total_bytes = int(state["total_bytes"])
+        self._logged_bytes, self._logged_step = int(state["logged_bytes"]), int(state["logged_step"])
+
+    def summary(self) -> dict[str, float]:
+        return {"comm/total_bytes": self.total_bytes}
+
+    def close(self) -> None:
+        pass
+
+
+_DDP_ARGS = inspect.signature(DDP).parameters
+
+
+def _counting_allreduce_hook(state: DataParallel, bucket):
+    buf = bucket.buffer()
+    state.total_bytes += buf.numel() * buf.element_size()
+    return default_hooks.allreduce_hook(state.group, bucket)
 
 
 def shutdown_distributed(ctx: DistContext) -> None:

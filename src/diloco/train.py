@@ -28,15 +28,16 @@ from transformers import get_cosine_schedule_with_warmup
 
 from diloco import checkpoint
 from diloco.checkpoint import CheckpointError
+from diloco.comm import CommError
 from diloco.config import ConfigError, validate
 from diloco.data import DataError, SequenceStream, eval_batches, load_tokenizer, noniid_shard_of  # noqa: F401
-from diloco.distributed import DistContext, init_distributed, shutdown_distributed
+from diloco.distributed import DistContext, DistributedError, init_distributed, shutdown_distributed
 from diloco.metrics import RunLogger, git_commit
 from diloco.model import build_model, count_parameters, shape_fingerprint
 
 log = logging.getLogger("diloco")
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, CommError, DistributedError)
 
 
 def build_strategy(cfg: DictConfig, ctx: DistContext, model, optimizer):

@@ -1,0 +1,135 @@
+"""Multi-process tests on one CPU machine: N gloo ranks on 127.0.0.1, one thread each.
+
+`run_ranks("module:function", n, **kwargs)` starts n fresh Python processes with the environment
+torchrun would give them (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), calls
+`function(**kwargs)` in each (module imported from tests/), and returns what each returned.
+`run_trainer(n, overrides)` starts n ranks of `python -m diloco.train` the same way. Both enforce a
+timeout and kill their own stragglers (by pid) whatever happens.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+QUIET_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "WANDB_MODE": "disabled",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, per_node: int, port: int) -> dict[str, str]:
+    return {
+        **os.environ,
+        **QUIET_ENV,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank % per_node),
+        "LOCAL_WORLD_SIZE": str(per_node),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def start(cmds: list[list[str]], per_node: int | None = None, env: dict | None = None):
+    """Start one process per command as ranks 0..n-1 of one job; returns the Popen objects."""
+    n, port = len(cmds), free_port()
+    procs = []
+    for rank, cmd in enumerate(cmds):
+        e = {**rank_env(rank, n, per_node or n, port), **(env or {})}
+        procs.append(
+            subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    return procs
+
+
+def wait(procs, timeout: float) -> list[RankResult]:
+    """Wait for every process; past the deadline, kill the ones still running and fail."""
+    t0 = time.monotonic()
+    results = []
+    try:
+        for rank, p in enumerate(procs):
+            left = max(timeout - (time.monotonic() - t0), 0.1)
+            try:
+                out, err = p.communicate(timeout=left)
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"rank {rank} still running after {timeout:.0f} s") from None
+            results.append(RankResult(rank, p.returncode, out, err, time.monotonic() - t0))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return results
+
+
+def run_trainer(nprocs: int, overrides: list[str], per_node: int | None = None, timeout: float = 120):
+    """n ranks of the real trainer; asserts that every rank exited 0 and returns their results."""
+    procs = start([[sys.executable, "-m", "diloco.train", *overrides]] * nprocs, per_node)
+    results = wait(procs, timeout)
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}:\n{r.stderr[-3000:]}"
+    return results
+
+
+def run_ranks(target: str, nprocs: int, timeout: float = 60, per_node: int | None = None, **kwargs):
+    """Call tests/<module>.<function>(**kwargs) in n gloo ranks; the list of return values, by rank."""
+    with tempfile.TemporaryDirectory() as tmp:
+        args = Path(tmp) / "args.pkl"
+        args.write_bytes(pickle.dumps(kwargs))
+        cmds = [
+            [sys.executable, str(Path(__file__)), target, str(args), str(Path(tmp) / f"out{r}.pkl")]
+            for r in range(nprocs)
+        ]
+        results = wait(start(cmds, per_node), timeout)
+        for r in results:
+            assert r.returncode == 0, f"rank {r.rank} of {target} exited {r.returncode}:\n{r.stderr[-3000:]}"
+        return [pickle.loads((Path(tmp) / f"out{r}.pkl").read_bytes()) for r in range(nprocs)]
+
+
+def _child(target: str, args_path: str, out_path: str) -> None:
+    import importlib
+
+    import torch
+
+    torch.set_num_threads(1)
+    module, function = target.split(":")
+    fn = getattr(importlib.import_module(module), function)
+    result = fn(**pickle.loads(Path(args_path).read_bytes()))
+    Path(out_path).write_bytes(pickle.dumps(result))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _child(*sys.argv[1:4])
