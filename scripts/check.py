@@ -1,0 +1,38 @@
+"""`make check`: judge finished runs against the paper (results/reference.yaml).
+
+    python scripts/check.py [--runs runs] [--family tiny] [--family 150m]
+
+Prints run / expected / measured / delta / verdict and exits 1 when a finished run or claim is outside
+its tolerance (runs still missing or unfinished are PENDING and do not fail the check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from diloco.replication import REFERENCE, check, markdown_table
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=Path, default=Path("runs"), help="directory holding the run directories")
+    p.add_argument("--family", action="append", help="only these families (default: every family found)")
+    p.add_argument("--reference", type=Path, default=REFERENCE)
+    args = p.parse_args(argv)
+    verdicts = check(args.runs, args.family, args.reference)
+    if not verdicts:
+        print(f"no runs with a reference under {args.runs}/ (run make replicate-tiny or a paper run first)")
+        return 0
+    print(markdown_table(verdicts))
+    failed = [v.id for v in verdicts if v.verdict == "FAIL"]
+    pending = [v.id for v in verdicts if v.verdict == "PENDING"]
+    print(
+        f"\n{len(verdicts) - len(failed) - len(pending)} passed, {len(failed)} failed, {len(pending)} pending"
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

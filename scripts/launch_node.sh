@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# The one command to run on each node of a replication run. See --help.
+set -euo pipefail
+
+usage() {
+  cat <<'EOF'
+Usage: scripts/launch_node.sh --experiment NAME [options] [-- extra hydra overrides]
+
+Starts this node's part of an experiment (configs/experiment/NAME.yaml):
+  DDP and synchronous DiLoCo: torchrun with the experiment's --nnodes / --nproc_per_node, this node's
+    --node_rank and a c10d rendezvous at --rdzv (node 0's address; not needed on a single node).
+  DumbDiLoCo: one training process in the given --role (master or worker) with its --node-id, --repo-id
+    (a Hub repo org/name or a shared directory) and data --shard; no rendezvous at all.
+
+Options (each also read from the environment variable in brackets):
+  --experiment NAME    e.g. 150m/diloco_8w_h500, 1b/ddp, tiny/diloco_fp32          [EXPERIMENT]
+  --node-rank R        this node's rank, 0..nodes-1 (default 0; SLURM_NODEID if set) [NODE_RANK]
+  --rdzv HOST:PORT     rendezvous endpoint = node 0 (required when nodes > 1)       [RDZV_ENDPOINT]
+  --role ROLE          DumbDiLoCo: master | worker                                  [ROLE]
+  --node-id ID         DumbDiLoCo: unique, path-safe node id                        [NODE_ID]
+  --repo-id REPO       DumbDiLoCo: org/name (Hub, needs HF_TOKEN) or /shared/path    [REPO_ID]
+  --shard I            DumbDiLoCo: this node's data shard (0..nodes-1)              [SHARD]
+  --cpu                run on CPU with gloo (the tiny family; no GPU check)         [CPU=1]
+  --dry-run            print what would run, start nothing                          [DRY_RUN=1]
+  -h, --help           this text
+
+Logs go to <out_dir>/<run_name>/launch-node<R>.log as well as the terminal.
+EOF
+}
+
+die() { echo "launch_node.sh: error: $*" >&2; exit 2; }
+
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[[ -x $PY ]] || PY=python3
+
+EXPERIMENT=${EXPERIMENT:-}; NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}; RDZV_ENDPOINT=${RDZV_ENDPOINT:-}
+ROLE=${ROLE:-}; NODE_ID=${NODE_ID:-}; REPO_ID=${REPO_ID:-}; SHARD=${SHARD:-}
+CPU=${CPU:-0}; DRY_RUN=${DRY_RUN:-0}; EXTRA=()
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --experiment) EXPERIMENT=${2:?}; shift 2 ;;
+    --node-rank) NODE_RANK=${2:?}; shift 2 ;;
+    --rdzv) RDZV_ENDPOINT=${2:?}; shift 2 ;;
+    --role) ROLE=${2:?}; shift 2 ;;
+    --node-id) NODE_ID=${2:?}; shift 2 ;;
+    --repo-id) REPO_ID=${2:?}; shift 2 ;;
+    --shard) SHARD=${2:?}; shift 2 ;;
+    --cpu) CPU=1; shift ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    *) die "unknown option $1 (see --help)" ;;
+  esac
+done
+
+[[ -n $EXPERIMENT ]] || die "--experiment is required (see --help)"
+vars=$("$PY" scripts/plan.py vars "$EXPERIMENT" 2>&1) || die "${vars#error: }"
+eval "$vars"
+[[ $NODE_RANK =~ ^[0-9]+$ ]] || die "--node-rank must be a number, got '$NODE_RANK'"
+
+# ---------------------------------------------------------------------------- environment
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / EXP_GPUS_PER_NODE > 0 ? $(nproc) / EXP_GPUS_PER_NODE : 1 ))}
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}  # a dead rank fails the job, not hangs it
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export TOKENIZERS_PARALLELISM=false
+
+if [[ $CPU == 1 ]]; then
+  DEVICE=device=cpu
+else
+  DEVICE=device=cuda
+  if [[ $DRY_RUN != 1 ]]; then
+    command -v nvidia-smi >/dev/null 2>&1 || die "no GPU on this node (nvidia-smi not found); use --cpu for the tiny family"
+    ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    (( ngpu >= EXP_GPUS_PER_NODE )) || die "$EXPERIMENT needs $EXP_GPUS_PER_NODE GPUs on this node, found $ngpu"
+  fi
+fi
+
+RUN_NAME=$EXP_RUN_NAME
+if [[ $EXP_MODE == dumb_diloco ]]; then
+  [[ $ROLE == master || $ROLE == worker ]] || die "DumbDiLoCo needs --role master or --role worker"
+  [[ -n $NODE_ID ]] || die "DumbDiLoCo needs --node-id (unique, path-safe)"
+  [[ $NODE_ID =~ ^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$ && $NODE_ID != *..* ]] || die "--node-id '$NODE_ID' is not path-safe (letters, digits, . _ -)"
+  REPO_ID=${REPO_ID:-$EXP_REPO_ID}
+  [[ -n $REPO_ID ]] || die "DumbDiLoCo needs --repo-id (org/name on the Hub, or a shared directory)"
+  if [[ $REPO_ID =~ ^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+$ && $REPO_ID != ./* && $REPO_ID != /* ]]; then
+    [[ -n ${HF_TOKEN:-} || -f ${HF_TOKEN_PATH:-${HF_HOME:-$HOME/.cache/huggingface}/token} ]] \
+      || die "repo $REPO_ID is on the Hugging Face Hub: set HF_TOKEN (a write token of a dedicated account)"
+  fi
+  SHARD=${SHARD:-$NODE_RANK}
+  RUN_NAME=$EXP_RUN_NAME-$NODE_ID
+  CMD=("$PY" -m diloco.train "experiment=$EXPERIMENT" "$DEVICE" "run_name=$RUN_NAME"
+       "distributed.role=$ROLE" "distributed.node_id=$NODE_ID" "distributed.repo_id=$REPO_ID"
+       "data.shard=$SHARD" "data.num_shards=$EXP_WORKERS" "${EXTRA[@]}")
+else
+  (( NODE_RANK < EXP_NODES )) || die "--node-rank $NODE_RANK is outside 0..$((EXP_NODES - 1)) for $EXPERIMENT"
+  if (( EXP_NODES > 1 )); then
+    [[ -n $RDZV_ENDPOINT ]] || die "$EXPERIMENT spans $EXP_NODES nodes: --rdzv <node0-host>:<port> is required"
+    [[ $RDZV_ENDPOINT =~ ^[^:]+:[0-9]+$ ]] || die "--rdzv must be HOST:PORT, got '$RDZV_ENDPOINT'"
+    if [[ $DRY_RUN != 1 && $NODE_RANK != 0 ]]; then
+      host=${RDZV_ENDPOINT%:*}; port=${RDZV_ENDPOINT##*:}
+      for _ in $(seq 1 30); do  # node 0 may still be starting; give it a minute
+        timeout 2 bash -c "exec 3<>/dev/tcp/$host/$port" 2>/dev/null && break
+        sleep 2
+      done
+      timeout 2 bash -c "exec 3<>/dev/tcp/$host/$port" 2>/dev/null \
+        || die "rendezvous $RDZV_ENDPOINT is unreachable (is node 0 started? firewall?)"
+    fi
+  else
+    RDZV_ENDPOINT=${RDZV_ENDPOINT:-127.0.0.1:29500}
+  fi
+  CMD=("$PY" -m torch.distributed.run --nnodes "$EXP_NODES" --nproc_per_node "$EXP_GPUS_PER_NODE"
+       --node_rank "$NODE_RANK" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$EXP_RUN_NAME"
+       -m diloco.train "experiment=$EXPERIMENT" "$DEVICE" "${EXTRA[@]}")
+fi
+
+LOG_DIR=$EXP_OUT_DIR/$RUN_NAME
+LOG=$LOG_DIR/launch-node$NODE_RANK.log
+if [[ $DRY_RUN == 1 ]]; then
+  echo "# $EXPERIMENT: mode $EXP_MODE, $EXP_NODES node(s) x $EXP_GPUS_PER_NODE, this is node $NODE_RANK; log $LOG"
+  echo "OMP_NUM_THREADS=$OMP_NUM_THREADS TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING NCCL_DEBUG=$NCCL_DEBUG $(printf '%q ' "${CMD[@]}")"
+  exit 0
+fi
+mkdir -p "$LOG_DIR"
+echo "# $(date -u +%FT%TZ) $(printf '%q ' "${CMD[@]}")" >> "$LOG"
+"${CMD[@]}" 2>&1 | tee -a "$LOG"
+exit "${PIPESTATUS[0]}"

@@ -1,0 +1,154 @@
+"""Launch plans of experiment configs: topology, tokens, communication volume, the commands per node.
+
+    python scripts/plan.py vars 150m/diloco_8w_h500          # shell variables for scripts/launch_node.sh
+    python scripts/plan.py show 150m/diloco_8w_h500 [...]    # the human-readable plan
+
+Communication volume is analytic and counts the payload each worker puts on the wire per collective
+(what `comm/total_bytes` measures): DDP all-reduces every gradient every step; DiLoCo all-reduces the
+pseudo-gradient once every H steps in its wire dtype; a DumbDiLoCo node uploads one float32 delta per
+boundary and downloads one float32 global model per outer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class PlanError(ValueError):
+    pass
+
+
+def experiments(family: str | None = None) -> list[str]:
+    root = CONFIGS / "experiment"
+    names = sorted(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml"))
+    return [n for n in names if family is None or n.startswith(family + "/")]
+
+
+def compose_experiment(name: str, overrides: list[str] = ()) -> DictConfig:
+    if name not in experiments():
+        known = ", ".join(experiments())
+        raise PlanError(f"unknown experiment {name!r}; known: {known}")
+    import diloco.data  # noqa: F401  (registers the ${diloco_asset:...} resolver)
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config_name="config", overrides=[f"experiment={name}", *overrides])
+
+
+def num_parameters(model_cfg) -> int:
+    import torch
+
+    from diloco.model import build_model
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(model_cfg, seed=0).parameters())
+
+
+def topology(cfg: DictConfig) -> dict:
+    nodes, gpus = int(cfg.launch.nodes), int(cfg.launch.gpus_per_node)
+    world = nodes * gpus
+    mode = cfg.distributed.mode
+    if mode == "diloco":
+        per_worker = cfg.distributed.get("ranks_per_worker") or gpus
+        workers = world // per_worker
+    elif mode == "dumb_diloco":
+        workers = nodes  # one DumbDiLoCo node per machine (or per GPU, see README)
+    else:
+        workers = 1
+    return {"mode": mode, "nodes": nodes, "gpus_per_node": gpus, "world_size": world, "workers": workers}
+
+
+def volume(cfg: DictConfig, params: int) -> dict:
+    """Tokens and bytes per worker over the whole run (analytic)."""
+    topo = topology(cfg)
+    steps = int(cfg.train.max_steps)
+    tokens = steps * cfg.train.batch_size * cfg.data.seq_len * topo["workers"]
+    mode = topo["mode"]
+    if mode == "ddp":
+        per_step = params * 4
+    elif mode == "diloco":
+        per_step = params * DTYPE_BYTES[cfg.distributed.pseudo_grad_dtype] / cfg.distributed.inner_steps
+    elif mode == "dumb_diloco":
+        per_step = params * 4 / cfg.distributed.inner_steps  # upload; downloads add about as much again
+    else:
+        per_step = 0
+    return {
+        "steps": steps,
+        "tokens": tokens,
+        "bytes_per_inner_step": per_step,
+        "bytes_per_worker": per_step * steps,
+        "parameters": params,
+    }
+
+
+def shell_vars(name: str) -> str:
+    cfg = compose_experiment(name)
+    topo = topology(cfg)
+    out = {
+        "EXP_MODE": topo["mode"],
+        "EXP_NODES": topo["nodes"],
+        "EXP_GPUS_PER_NODE": topo["gpus_per_node"],
+        "EXP_WORKERS": topo["workers"],
+        "EXP_RUN_NAME": cfg.run_name,
+        "EXP_OUT_DIR": cfg.out_dir,
+        "EXP_REPO_ID": OmegaConf.select(cfg, "distributed.repo_id", default="") or "",
+    }
+    return "\n".join(f"{k}={shlex.quote(str(v))}" for k, v in out.items())
+
+
+def describe(name: str) -> str:
+    cfg = compose_experiment(name)
+    topo, vol = topology(cfg), volume(cfg, num_parameters(cfg.model))
+    lines = [
+        f"== {name}: {cfg.run_name}",
+        f"   model {cfg.model.name} ({vol['parameters'] / 1e6:.1f}M params), data {cfg.data.name}, "
+        f"mode {topo['mode']}, {topo['nodes']} node(s) x {topo['gpus_per_node']} GPU(s), "
+        f"{topo['workers']} worker(s)",
+        f"   {vol['steps']:,} steps x {cfg.train.batch_size} seq x {cfg.data.seq_len} tokens"
+        f" -> {vol['tokens'] / 1e9:.2f}B tokens in all",
+        f"   communication per worker: {vol['bytes_per_inner_step'] / 1e6:,.2f} MB per inner step, "
+        f"{vol['bytes_per_worker'] / 1e12:,.3f} TB over the run",
+    ]
+    if topo["mode"] == "dumb_diloco":
+        lines.append(
+            "   on each node i: scripts/launch_node.sh --experiment "
+            + name
+            + " --role <master|worker> --node-id <id> --repo-id <org/name> --shard i"
+        )
+    else:
+        for r in range(topo["nodes"]):
+            rdzv = "" if topo["nodes"] == 1 else " --rdzv <node0-host>:29500"
+            lines.append(f"   node {r}: scripts/launch_node.sh --experiment {name} --node-rank {r}{rdzv}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=["vars", "show", "list"])
+    p.add_argument("experiments", nargs="*")
+    p.add_argument("--family")
+    args = p.parse_args(argv)
+    try:
+        if args.what == "list":
+            print("\n".join(experiments(args.family)))
+        elif args.what == "vars":
+            print(shell_vars(args.experiments[0]))
+        else:
+            for name in args.experiments or experiments(args.family):
+                print(describe(name))
+    except PlanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
