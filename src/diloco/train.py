@@ -129,8 +129,10 @@ def run(cfg: DictConfig) -> int:
     use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    if resolved["distributed"].get("token"):  # a credential: never written to the run's records or W&B
+        resolved["distributed"]["token"] = "<redacted>"
     if ctx.is_main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
 
     # ----------------------------------------------------------------------------- data
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -141,9 +143,10 @@ def run(cfg: DictConfig) -> int:
     shard = cfg.data.shard if cfg.data.shard is not None else ctx.rank
     num_shards = cfg.data.num_shards if cfg.data.num_shards is not None else ctx.world_size
     train_stream = SequenceStream(cfg.data, tokenizer, cfg.data.train_split, shard, num_shards)
-    eval_set = eval_batches(cfg.data, tokenizer, cfg.eval.tokens, cfg.eval.micro_batch_size)
-    shard_eval_sets = {}
-    if cfg.data.sharding == "noniid" and num_shards > 1:  # how each shard's own distribution fares
+    eval_set, shard_eval_sets = [], {}  # held-out data, evaluated on rank 0 only
+    if ctx.is_main:
+        eval_set = eval_batches(cfg.data, tokenizer, cfg.eval.tokens, cfg.eval.micro_batch_size)
+    if ctx.is_main and cfg.data.sharding == "noniid" and num_shards > 1:  # each shard's own distribution
         for s in range(num_shards):
             shard_eval_sets[s] = eval_batches(
                 cfg.data, tokenizer, cfg.eval.tokens // num_shards, cfg.eval.micro_batch_size, s, num_shards
@@ -348,13 +351,16 @@ def run(cfg: DictConfig) -> int:
 
 
 def run_eval(cfg, model, eval_set, shard_eval_sets, device, autocast, logger, step, ctx) -> float:
+    """Rank 0 evaluates (every rank holds the same model at DDP steps and DiLoCo boundaries; set
+    train.eval_every to a multiple of H); the others go on and wait at their next collective."""
+    if not ctx.is_main:
+        return math.nan
     loss = evaluate(model, eval_set, device, autocast)
     metrics = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50))}
     for s, batches in shard_eval_sets.items():
         metrics[f"eval/shard{s}/loss"] = evaluate(model, batches, device, autocast)
     logger.log(metrics, step)
-    if ctx.is_main:
-        log.info("step %d: eval loss %.4f, perplexity %.2f", step, loss, metrics["eval/perplexity"])
+    log.info("step %d: eval loss %.4f, perplexity %.2f", step, loss, metrics["eval/perplexity"])
     return loss
 
 
