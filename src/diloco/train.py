@@ -172,7 +172,11 @@ def run(cfg: DictConfig) -> int:
 
     # ----------------------------------------------------------------------------- optimizers
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
+        model.parameters(),
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        weight_decay=cfg.optim.weight_decay,
+        foreach=cfg.optim.foreach,
     )
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.optim.total_steps)
     strategy = build_strategy(cfg, ctx, model, optimizer)
@@ -300,7 +304,8 @@ def run(cfg: DictConfig) -> int:
                     cfg, model, eval_set, shard_eval_sets, device, autocast, logger, step, ctx
                 )
                 last_eval_step = step
-            if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or step == max_steps:
+            periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
+            if periodic or (step == max_steps and cfg.train.checkpoint_at_end):
                 save_checkpoint()
         if stop.requested:
             status, exit_code = "interrupted", 130

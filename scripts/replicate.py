@@ -1,0 +1,222 @@
+"""Run a family of experiments in order: `make replicate-150m`, `replicate-1b`, `ablation-fp16`,
+`replicate-tiny`.
+
+    python scripts/replicate.py --family tiny                     # here, on CPU, every run of the family
+    python scripts/replicate.py --family 150m --dry-run           # plan + 2 real CPU steps of each config
+    python scripts/replicate.py --family 150m --hosts-file nodes.txt
+
+Paper families run on the GPU nodes listed in a hosts file (one hostname per line, reachable with
+password-less ssh, the repository at the same path on each, node 0 = rendezvous); each run starts
+`scripts/launch_node.sh` on the nodes it needs and waits for all of them, then the next run starts.
+On SLURM, skip this and `srun scripts/launch_node.sh --experiment <name>` per run instead.
+DumbDiLoCo runs need REPO_ID (a Hub repo org/name with HF_TOKEN set on every node, or a shared path).
+
+--dry-run resolves every config, prints the plan (nodes, commands, tokens, bytes per worker) and
+takes two real optimizer steps of each config's real model shape on CPU (batch 1, 32 tokens,
+the bundled sample in place of C4), so a broken config is caught before a GPU hour is spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from plan import PlanError, compose_experiment, describe, experiments, topology
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = {  # the order runs are started in
+    "150m": [
+        "150m/ddp_1x",
+        "150m/ddp_8x",
+        "150m/diloco_8w_h500",
+        "150m/diloco_8w_h50",
+        "150m/diloco_8w_h500_fp16",
+        "150m/diloco_4w_h500",
+        "150m/diloco_4w_h500_fp16",
+        "150m/dumb_diloco_8n_h500",
+    ],
+    "1b": ["1b/ddp", "1b/diloco_4w_h125", "1b/diloco_4w_h500", "1b/dumb_diloco_4n_h125"],
+    "fp16": [
+        "150m/diloco_4w_h500",
+        "150m/diloco_4w_h500_fp16",
+        "150m/diloco_8w_h500",
+        "150m/diloco_8w_h500_fp16",
+    ],
+    "tiny": ["tiny/ddp_1x", "tiny/ddp_mx", "tiny/diloco_fp32", "tiny/diloco_fp16", "tiny/dumb_diloco"],
+}
+
+
+def family_runs(family: str) -> list[str]:
+    known = set(experiments())
+    return [e for e in FAMILIES[family] if e in known]
+
+
+def dry_steps(name: str, out: Path) -> float:
+    """Two real optimizer steps of the config's real model shape on CPU; returns seconds."""
+    cfg = compose_experiment(name)
+    overrides = [
+        f"experiment={name}",
+        "device=cpu",
+        "precision=fp32",
+        "data=sample",
+        "data.seq_len=32",
+        "train.batch_size=1",
+        "train.micro_batch_size=1",
+        "train.max_steps=2",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        "train.progress=false",
+        "eval.tokens=32",
+        "eval.micro_batch_size=1",
+        "optim.foreach=false",
+        f"out_dir={out}",
+        "run_name=dry",
+        "resume=never",
+        "wandb.mode=disabled",
+    ]
+    mode = cfg.distributed.mode
+    if mode == "diloco":  # one process stands for a whole worker; take an outer step at step 2
+        overrides += ["distributed.ranks_per_worker=1", "distributed.inner_steps=2"]
+    if mode == "dumb_diloco":  # a master alone on a throwaway directory repo, one boundary
+        overrides += [
+            "distributed.role=master",
+            "distributed.node_id=dry-run",
+            f"distributed.repo_id={out}/repo",
+            "distributed.inner_steps=2",
+            "data.shard=0",
+            "data.num_shards=1",
+        ]
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_DATASETS_OFFLINE": "1"}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "diloco.train", *overrides], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"{name}: two CPU steps failed (exit {proc.returncode}):\n{tail}")
+    return time.time() - t0
+
+
+def ssh_commands(name: str, hosts: list[str], port: int) -> list[tuple[str, str]]:
+    cfg = compose_experiment(name)
+    topo = topology(cfg)
+    if len(hosts) < topo["nodes"]:
+        raise PlanError(f"{name} needs {topo['nodes']} nodes; the hosts file lists {len(hosts)}")
+    cmds = []
+    for rank in range(topo["nodes"]):
+        args = ["scripts/launch_node.sh", "--experiment", name]
+        if topo["mode"] == "dumb_diloco":
+            repo = os.environ.get("REPO_ID") or ""
+            if not repo:
+                raise PlanError(
+                    f"{name} is a DumbDiLoCo run: set REPO_ID (org/name on the Hub, or a shared path)"
+                )
+            args += [
+                "--role",
+                "master" if rank == 0 else "worker",
+                "--node-id",
+                f"node-{rank}",
+                "--repo-id",
+                repo,
+                "--shard",
+                str(rank),
+            ]
+        else:
+            args += ["--node-rank", str(rank), "--rdzv", f"{hosts[0]}:{port}"]
+        cmds.append((hosts[rank], f"cd {shlex.quote(str(ROOT))} && " + shlex.join(args)))
+    return cmds
+
+
+def run_cluster(name: str, hosts: list[str], port: int) -> None:
+    procs = [(host, subprocess.Popen(["ssh", host, cmd])) for host, cmd in ssh_commands(name, hosts, port)]
+    codes = [(host, p.wait()) for host, p in procs]
+    failed = [f"{h} (exit {c})" for h, c in codes if c != 0]
+    if failed:
+        raise RuntimeError(f"{name} failed on {', '.join(failed)}; logs: runs/<run_name>/launch-node*.log")
+
+
+def run_local(name: str, runs: Path) -> None:
+    """The tiny family: every run on this machine, on CPU."""
+    cfg = compose_experiment(name)
+    common = [f"out_dir={runs}", "train.progress=false"]
+    if cfg.distributed.mode != "dumb_diloco":
+        subprocess.run(
+            ["scripts/launch_node.sh", "--experiment", name, "--cpu", "--", *common], cwd=ROOT, check=True
+        )
+        return
+    nodes = topology(cfg)["nodes"]
+    repo = runs / f"{cfg.run_name}-repo"
+    procs = []
+    for rank in range(nodes):
+        args = [
+            "scripts/launch_node.sh",
+            "--experiment",
+            name,
+            "--cpu",
+            "--role",
+            "master" if rank == 0 else "worker",
+            "--node-id",
+            f"node-{rank}",
+            "--repo-id",
+            str(repo.resolve()),
+            "--shard",
+            str(rank),
+            "--",
+            *common,
+        ]
+        procs.append(subprocess.Popen(args, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}))
+        if rank == 0:
+            time.sleep(2)  # the master publishes the initial global model first
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise RuntimeError(f"{name}: node exit codes {codes}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", required=True, choices=sorted(FAMILIES))
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument(
+        "--hosts-file", type=Path, default=Path(os.environ.get("NODES_FILE", "configs/local/nodes.txt"))
+    )
+    p.add_argument("--port", type=int, default=int(os.environ.get("RDZV_PORT", 29500)))
+    p.add_argument("--runs", type=Path, default=Path("runs"))
+    p.add_argument("--only", nargs="*", help="a subset of the family's experiments")
+    args = p.parse_args(argv)
+    names = [n for n in family_runs(args.family) if not args.only or n in args.only]
+    try:
+        for name in names:
+            print(describe(name), flush=True)
+        if args.dry_run:
+            with tempfile.TemporaryDirectory(prefix="diloco-dry-") as tmp:
+                for name in names:
+                    secs = dry_steps(name, Path(tmp) / name.replace("/", "_"))
+                    print(f"   {name}: 2 real optimizer steps on CPU OK ({secs:.0f} s)", flush=True)
+            return 0
+        if args.family == "tiny":
+            for name in names:
+                run_local(name, args.runs)
+            return 0
+        if not args.hosts_file.exists():
+            raise PlanError(f"no hosts file {args.hosts_file}: list the GPU nodes, one per line (see README)")
+        hosts = [
+            h.strip() for h in args.hosts_file.read_text().splitlines() if h.strip() and not h.startswith("#")
+        ]
+        for name in names:
+            run_cluster(name, hosts, args.port)
+    except (PlanError, RuntimeError, subprocess.CalledProcessError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
