@@ -71,6 +71,7 @@ def dry_steps(name: str, out: Path) -> float:
         "train.max_steps=2",
         "train.eval_every=0",
         "train.checkpoint_every=0",
+        "train.checkpoint_at_end=false",
         "train.progress=false",
         "eval.tokens=32",
         "eval.micro_batch_size=1",
