@@ -4,7 +4,13 @@ PY := .venv/bin/python
 TORCH_VERSION ?= 2.13.0
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: help setup demo test lint clean
+DRY_RUN ?= 0
+DRY := $(if $(filter 1,$(DRY_RUN)),--dry-run,)
+FAMILY ?= tiny
+NODES_FILE ?= configs/local/nodes.txt
+export NODES_FILE
+
+.PHONY: help setup demo test lint clean replicate-tiny replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
 
 help:  ## list what can be run
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-18s %s\n", $$1, $$2}'
@@ -33,6 +39,29 @@ lint: setup  ## ruff
 
 test: setup lint  ## lint + the whole test suite (under 10 minutes on 2 cores)
 	$(PY) -m pytest -q
+
+replicate-tiny: setup  ## the whole CPU-scale family here (~20 min on 2 cores), then its report and check
+	$(PY) scripts/replicate.py --family tiny
+	$(PY) scripts/report.py --family tiny
+	$(PY) scripts/check.py --family tiny
+
+replicate-150m: setup  ## all 150M runs of the paper, in order, on the GPU nodes in NODES_FILE (DRY_RUN=1: plan + 2 CPU steps each)
+	$(PY) scripts/replicate.py --family 150m $(DRY)
+
+replicate-1b: setup  ## the 1.1B runs (4 nodes of 8 GPUs) on the nodes in NODES_FILE (DRY_RUN=1 as above)
+	$(PY) scripts/replicate.py --family 1b $(DRY)
+
+ablation-fp16: setup  ## the FP16 vs FP32 pseudo-gradient runs (4 and 8 workers, 150M) (DRY_RUN=1 as above)
+	$(PY) scripts/replicate.py --family fp16 $(DRY)
+
+sweep-tiny: setup  ## the outer lr / momentum / H sweep behind the tiny family's DiLoCo settings
+	$(PY) scripts/sweep_tiny.py
+
+report: setup  ## results/$(FAMILY)/report.md with plots, and a W&B report when online (FAMILY=tiny|150m|1b)
+	$(PY) scripts/report.py --family $(FAMILY)
+
+check: setup  ## judge finished runs in runs/ against the paper (results/reference.yaml); non-zero on a miss
+	$(PY) scripts/check.py
 
 clean:  ## remove runs and caches (keeps .venv)
 	rm -rf runs outputs multirun .pytest_cache .ruff_cache
