@@ -91,13 +91,20 @@ def wait(procs, timeout: float) -> list[RankResult]:
     return results
 
 
+def check(results: list[RankResult], what: str) -> list[RankResult]:
+    """Fail with the end of the stderr of every rank that did not exit 0."""
+    failed = [r for r in results if r.returncode != 0]
+    report = "\n".join(
+        f"--- rank {r.rank} of {what} exited {r.returncode}:\n{r.stderr[-2500:]}" for r in failed
+    )
+    assert not failed, report
+    return results
+
+
 def run_trainer(nprocs: int, overrides: list[str], per_node: int | None = None, timeout: float = 120):
     """n ranks of the real trainer; asserts that every rank exited 0 and returns their results."""
     procs = start([[sys.executable, "-m", "diloco.train", *overrides]] * nprocs, per_node)
-    results = wait(procs, timeout)
-    for r in results:
-        assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}:\n{r.stderr[-3000:]}"
-    return results
+    return check(wait(procs, timeout), "diloco.train")
 
 
 def run_ranks(target: str, nprocs: int, timeout: float = 60, per_node: int | None = None, **kwargs):
@@ -109,9 +116,7 @@ def run_ranks(target: str, nprocs: int, timeout: float = 60, per_node: int | Non
             [sys.executable, str(Path(__file__)), target, str(args), str(Path(tmp) / f"out{r}.pkl")]
             for r in range(nprocs)
         ]
-        results = wait(start(cmds, per_node), timeout)
-        for r in results:
-            assert r.returncode == 0, f"rank {r.rank} of {target} exited {r.returncode}:\n{r.stderr[-3000:]}"
+        check(wait(start(cmds, per_node), timeout), target)
         return [pickle.loads((Path(tmp) / f"out{r}.pkl").read_bytes()) for r in range(nprocs)]
 
 

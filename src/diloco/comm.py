@@ -233,8 +233,8 @@ class CastStats:
 def power_of_two_scales(absmax: torch.Tensor, num_workers: int, dtype: torch.dtype) -> torch.Tensor:
     """Per-tensor scales 2^k, the largest with num_workers * absmax * 2^k <= finfo(dtype).max."""
     limit = torch.finfo(dtype).max / num_workers
-    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))  # an all-zero tensor keeps scale 1
-    return torch.exp2(torch.floor(torch.log2(limit / safe)))
+    scales = torch.exp2(torch.floor(torch.log2(limit / absmax)))
+    return torch.where(absmax > 0, scales, torch.ones_like(absmax))  # an all-zero tensor keeps scale 1
 
 
 class Averager:
