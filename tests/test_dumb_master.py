@@ -1,0 +1,394 @@
+"""The master's outer loop (spec "Outer-loop lifecycle", steps 1-10) on a tiny model, checked against
+numbers worked out by hand; plus the master's start-up against its state, checkpoint and repository.
+
+Each test names the step it pins down: it fails if that step is skipped or done wrong.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+
+import pytest
+import torch
+from dumb_helpers import Spy, Tiny, put_delta, settings
+
+from diloco.dumb_diloco.coordinator import Coordinator
+from diloco.dumb_diloco.master import MasterState, OuterLoop, nesterov_outer_step
+from diloco.dumb_diloco.tensor_format import (
+    GLOBAL_STEP_PATH,
+    GLOBAL_WEIGHTS_PATH,
+    DeltaMeta,
+    decode,
+    delta_path,
+    encode,
+)
+from diloco.dumb_diloco.transport import DirectoryTransport, TransientError
+
+pytestmark = pytest.mark.usefixtures("no_network")
+
+LR, MU = 0.7, 0.9
+W0 = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+B0 = torch.tensor([0.5, -0.5])
+
+
+def g(value: float) -> dict[str, torch.Tensor]:
+    """A delta with every entry equal to `value` (for Tiny: w [2,2], b [2])."""
+    return {"w": torch.full((2, 2), value), "b": torch.full((2,), value)}
+
+
+@pytest.fixture
+def setup(tmp_path):
+    repo = Spy(DirectoryTransport(tmp_path / "repo"))
+    snapshots = []
+    loop = OuterLoop(
+        repo,
+        MasterState.from_model_state(Tiny().state_dict()),
+        node_id="m",
+        outer_lr=LR,
+        outer_momentum=MU,
+        poll_interval=0.05,
+        state_dir=tmp_path / "state",
+        max_file_bytes=2**20,
+        on_snapshot=snapshots.append,
+    )
+    loop.publish()
+    return loop, repo, snapshots
+
+
+def published(repo):
+    tensors, meta = decode(repo.read(GLOBAL_WEIGHTS_PATH), max_bytes=2**20)
+    return tensors, meta, json.loads(repo.read(GLOBAL_STEP_PATH))
+
+
+# ------------------------------------------------------------------ steps 1, 2, 5, 6: one round
+
+
+def test_steps_1_2_5_6_one_poll_averages_all_valid_deltas_and_takes_a_nesterov_step(setup):
+    loop, repo, _ = setup
+    put_delta(repo, "a", 10, g(1.0))
+    put_delta(repo, "b", 7, g(3.0))
+    result = loop.run_once()
+    assert sorted(e.node_id for e in result.applied) == ["a", "b"] and result.outer_step == 1
+    assert result.num_peers == 2
+    mean = 2.0  # equal weight, whatever the steps or tokens behind each delta
+    # SGD with Nesterov, first step: buf = g; update = g + mu * buf
+    assert torch.allclose(loop.state.weights["w"], W0 - LR * (mean + MU * mean))
+    assert torch.allclose(loop.state.weights["b"], B0 - LR * (mean + MU * mean))
+    assert repo.count("list") == 1 and repo.count("read", delta_path("a", 10)) == 1
+
+
+def test_step6_nesterov_over_rounds_matches_hand_computation_and_torch_sgd(setup):
+    loop, repo, _ = setup
+    put_delta(repo, "a", 1, g(1.0))
+    loop.run_once()
+    put_delta(repo, "a", 2, g(-0.5))
+    loop.run_once()
+    buf1 = 1.0
+    w1 = W0 - LR * (1.0 + MU * buf1)
+    buf2 = MU * buf1 + -0.5
+    w2 = w1 - LR * (-0.5 + MU * buf2)
+    assert torch.allclose(loop.state.weights["w"], w2)
+    assert torch.allclose(loop.state.momentum["w"], torch.full((2, 2), buf2))
+    # and the same as one long-lived torch.optim.SGD(nesterov=True)
+    p = W0.clone()
+    opt = torch.optim.SGD([p], lr=LR, momentum=MU, nesterov=True)
+    for grad in (1.0, -0.5):
+        p.grad = torch.full((2, 2), grad)
+        opt.step()
+    assert torch.equal(loop.state.weights["w"], p)
+
+
+def test_step6_plain_sgd_without_momentum(tmp_path):
+    state = MasterState.from_model_state(Tiny().state_dict())
+    nesterov_outer_step(state, g(1.0), lr=1.0, momentum=0.0)
+    assert torch.equal(state.weights["w"], W0 - 1.0) and state.momentum == {}
+
+
+# ------------------------------------------------------------------ step 3: dedupe
+
+
+def test_step3_each_identity_is_applied_exactly_once(setup):
+    loop, repo, _ = setup
+    put_delta(repo, "a", 5, g(1.0))
+    loop.run_once()
+    after_one = loop.state.weights["w"].clone()
+    for _ in range(3):
+        assert loop.run_once().applied == []  # the same file, listed again
+    assert torch.equal(loop.state.weights["w"], after_one) and loop.state.outer_step == 1
+    assert repo.count("read", delta_path("a", 5)) == 1  # identified by its header, not downloaded again
+    # the same path uploaded again with other contents (a node restarted from an older checkpoint)
+    # is a new delta: identity = (node_id, local_step, payload sha256)
+    put_delta(repo, "a", 5, g(2.0))
+    assert [e.local_step for e in loop.run_once().applied] == [5] and loop.state.outer_step == 2
+
+
+# ------------------------------------------------------------------ step 4: validation
+
+
+def _torch_save_bytes() -> bytes:
+    buf = io.BytesIO()
+    torch.save(g(1.0), buf)
+    return buf.getvalue()
+
+
+BAD = {
+    "missing-key": lambda: encode({"w": torch.ones(2, 2)}, DeltaMeta("bad", 1, 0).to_header()),
+    "extra-key": lambda: encode(g(1.0) | {"x": torch.ones(1)}, DeltaMeta("bad", 2, 0).to_header()),
+    "wrong-shape": lambda: encode(
+        {"w": torch.ones(4), "b": torch.ones(2)}, DeltaMeta("bad", 3, 0).to_header()
+    ),
+    "wrong-dtype": lambda: encode(
+        {k: t.half() for k, t in g(1.0).items()}, DeltaMeta("bad", 4, 0).to_header()
+    ),
+    "nan": lambda: encode(g(float("nan")), DeltaMeta("bad", 5, 0).to_header()),
+    "inf": lambda: encode(g(float("inf")), DeltaMeta("bad", 6, 0).to_header()),
+    "truncated": lambda: encode(g(1.0), DeltaMeta("bad", 7, 0).to_header())[:-5],
+    "pickle": _torch_save_bytes,
+    "garbage": lambda: b"not a safetensors file at all",
+    "path-mismatch": lambda: encode(g(1.0), DeltaMeta("someone-else", 9, 0).to_header()),
+    "no-metadata": lambda: encode(g(1.0), {}),
+}
+
+
+def test_step4_invalid_deltas_are_rejected_with_reasons_and_do_not_block_valid_ones(setup, caplog):
+    loop, repo, _ = setup
+    for i, make in enumerate(BAD.values(), start=1):
+        repo.inner.write({delta_path("bad", i): make()})
+    put_delta(repo, "good", 3, g(2.0))
+    result = loop.run_once()  # must not raise
+    assert [e.node_id for e in result.applied] == ["good"]
+    assert torch.allclose(loop.state.weights["w"], W0 - LR * (2.0 + MU * 2.0))  # as if alone
+    reasons = {e.local_step: e.reason for e in result.rejected}
+    assert sorted(reasons) == list(range(1, len(BAD) + 1)), reasons
+    assert all(reasons.values()) and loop.deltas_rejected == len(BAD)
+    for word in ("missing", "unexpected", "shape", "dtype", "NaN or Inf", "torch.save", "path says"):
+        assert any(word in r for r in reasons.values()), word
+    assert "rejected delta" in caplog.text
+    # a rejected delta is not downloaded and rejected again at every poll
+    reads = repo.count("read")
+    assert loop.run_once().rejected == [] and repo.count("read") == reads
+
+
+# ------------------------------------------------------------------ steps 7, 8: publication
+
+
+def test_steps_7_8_publish_full_weights_and_step_metadata_in_one_write(setup):
+    loop, repo, _ = setup
+    put_delta(repo, "a", 5, g(1.0), base=0)
+    rev = int(repo.revision())
+    loop.run_once()
+    assert int(repo.revision()) == rev + 1  # one unit: weights and step count never disagree
+    tensors, meta, info = published(repo)
+    assert set(tensors) == {"w", "b", "count"}  # the integer buffer is published ...
+    assert torch.equal(tensors["count"], torch.tensor([7]))  # ... and never updated
+    assert torch.equal(tensors["w"], loop.state.weights["w"]) and meta["outer_step"] == "1"
+    assert info["outer_step"] == 1 and info["global_sha256"] == meta["payload_sha256"]
+    assert info["deltas"] == [
+        {
+            "node_id": "a",
+            "local_step": 5,
+            "sha256": loop.state.ledger.entries()[0].sha256,
+            "base_outer_step": 0,
+        }
+    ]
+
+
+def test_step7_publication_failure_is_retried_at_the_next_poll(setup):
+    loop, repo, _ = setup
+    put_delta(repo, "a", 5, g(1.0))
+    repo.fail_writes = 1
+    result = loop.run_once()
+    assert not result.published and loop.state.outer_step == 1
+    assert published(repo)[2]["outer_step"] == 0
+    loop.run_once()
+    assert published(repo)[2]["outer_step"] == 1
+
+
+def test_complex_and_bf16_entries_go_through_float32(tmp_path):
+    model = Tiny(complex_param=True, bf16=True)
+    repo = DirectoryTransport(tmp_path / "repo")
+    loop = OuterLoop(repo, MasterState.from_model_state(model.state_dict()), node_id="m", outer_lr=1.0,
+                     outer_momentum=0.0, poll_interval=1, state_dir=None, max_file_bytes=2**20)  # fmt: skip
+    delta = g(1.0) | {"z": torch.ones(2, 2), "h": torch.full((3,), 0.5)}
+    put_delta(repo, "a", 1, delta)
+    assert loop.run_once().applied
+    tensors, _, _ = published(repo)
+    assert tensors["z"].dtype == torch.complex64 and tensors["h"].dtype == torch.bfloat16
+    assert torch.allclose(tensors["z"], model.z.detach() - (1 + 1j))
+    assert torch.equal(tensors["h"], (model.h.detach().float() - 0.5).bfloat16())
+
+
+# ------------------------------------------------------------------ step 9: local state
+
+
+def test_step9_saved_state_resumes_exactly(setup, tmp_path):
+    loop, repo, _ = setup
+    put_delta(repo, "a", 1, g(1.0))
+    put_delta(repo, "b", 1, g(0.5))
+    loop.run_once()
+    saved = MasterState.load(tmp_path / "state")
+    assert saved.outer_step == 1 and len(saved.ledger) == 2
+    assert torch.equal(saved.weights["w"], loop.state.weights["w"])
+    assert torch.equal(saved.momentum["w"], loop.state.momentum["w"])
+    # a master restarted from the saved state continues exactly like the uninterrupted one
+    restarted = OuterLoop(repo, saved, node_id="m", outer_lr=LR, outer_momentum=MU, poll_interval=1,
+                          state_dir=None, max_file_bytes=2**20)  # fmt: skip
+    put_delta(repo, "a", 2, g(-1.0))
+    assert [e.node_id for e in restarted.run_once().applied] == ["a"]  # a@1 and b@1 not re-applied
+    loop.run_once()
+    assert torch.equal(restarted.state.weights["w"], loop.state.weights["w"])
+    # and through the trainer checkpoint format (torch.load(weights_only=True))
+    torch.save(loop.state.to_checkpoint(), tmp_path / "ckpt.pt")
+    back = MasterState.from_checkpoint(torch.load(tmp_path / "ckpt.pt", weights_only=True))
+    assert back.outer_step == 2 and torch.equal(back.weights["w"], loop.state.weights["w"])
+    assert back.dtypes == loop.state.dtypes and len(back.ledger) == 3
+
+
+def test_step9_rejections_alone_are_saved_too(setup, tmp_path):
+    loop, repo, _ = setup
+    repo.inner.write({delta_path("bad", 1): b"garbage"})
+    loop.run_once()
+    assert MasterState.load(tmp_path / "state").ledger.count("rejected") == 1
+
+
+# ------------------------------------------------------------------ step 10: notification
+
+
+def test_step10_training_thread_is_notified_with_a_snapshot(setup):
+    loop, repo, snapshots = setup
+    put_delta(repo, "a", 1, g(1.0))
+    loop.run_once()
+    assert [s.outer_step for s in snapshots] == [1] and snapshots[0].source == "master"
+    assert torch.equal(snapshots[0].state["w"], loop.state.weights["w"])
+    loop.state.weights["w"].add_(1.0)  # the snapshot is a copy: later rounds never change it
+    assert not torch.equal(snapshots[0].state["w"], loop.state.weights["w"])
+
+
+# ------------------------------------------------------------------ the thread, the allowlist
+
+
+def test_outer_thread_survives_errors_and_never_touches_the_live_model(tmp_path):
+    model = Tiny()
+    repo = Spy(DirectoryTransport(tmp_path / "repo"))
+    coord = Coordinator(
+        model, settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05), repo
+    )
+    coord.start()
+    live = model.w.detach().clone()
+    repo.fail_revisions = 2  # two rounds fail: logged, counted, the thread goes on
+    put_delta(repo.inner, "w9", 3, g(1.0))
+    deadline = time.monotonic() + 10
+    while coord._newest_known() < 1:  # the outer loop notified the training thread
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert coord.outer.errors >= 2
+    notified = coord._staged.state["w"].clone()
+    assert not torch.equal(notified, live)
+    assert torch.equal(model.w.detach(), live)  # only the training thread installs, at a boundary
+    coord.on_step(1), coord.on_step(2)
+    assert torch.equal(model.w.detach(), live)
+    assert coord.on_step(3).installed and torch.equal(model.w.detach(), notified)
+    coord.close()
+    assert not coord.outer._thread.is_alive()
+
+
+def test_collaborators_is_an_allowlist(tmp_path, caplog):
+    repo = DirectoryTransport(tmp_path / "repo")
+    loop = OuterLoop(repo, MasterState.from_model_state(Tiny().state_dict()), node_id="m", collaborators=["a"],
+                     outer_lr=1.0, outer_momentum=0.0, poll_interval=1, state_dir=None, max_file_bytes=2**20)  # fmt: skip
+    for node in ("a", "m", "intruder"):
+        put_delta(repo, node, 1, g(1.0))
+    result = loop.run_once()
+    assert sorted(e.node_id for e in result.applied) == ["a", "m"]  # the master's own deltas always
+    assert "intruder" in caplog.text and ("intruder", 1) not in {
+        (e.node_id, e.local_step) for e in loop.state.ledger.entries()
+    }
+
+
+def test_close_runs_a_last_round_and_drains_late_deltas(tmp_path):
+    model = Tiny()
+    repo = DirectoryTransport(tmp_path / "repo")
+    s = settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05, drain_seconds=0.5)
+    coord = Coordinator(model, s, repo)
+    coord.start()
+    timer = threading.Timer(0.2, put_delta, (repo, "late", 3, g(1.0)))
+    timer.start()
+    coord.close()  # returns once no delta arrived for drain_seconds
+    timer.join()
+    assert [e.node_id for e in coord.outer.state.ledger.entries()] == ["late"]
+    assert MasterState.load(tmp_path / "state" / "m").outer_step == 1
+
+
+# ------------------------------------------------------------------ master start-up
+
+
+def _master(tmp_path, model=None, **kw) -> Coordinator:
+    s = settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05, **kw)
+    coord = Coordinator(model or Tiny(), s, DirectoryTransport(tmp_path / "repo"))
+    return coord
+
+
+def test_master_publishes_outer_step_0_from_its_model(tmp_path):
+    coord = _master(tmp_path)
+    coord.start()
+    coord.close()
+    tensors, _, info = published(DirectoryTransport(tmp_path / "repo"))
+    assert info["outer_step"] == 0 and torch.equal(tensors["w"], W0)
+
+
+def test_master_restart_resumes_its_state_and_does_not_reapply(tmp_path):
+    coord = _master(tmp_path)
+    coord.start()
+    put_delta(coord.transport, "a", 3, g(1.0))
+    coord.close()
+    assert coord.outer.state.outer_step == 1
+    weights = coord.outer.state.weights["w"].clone()
+    again = _master(tmp_path)
+    again.start()
+    assert again.installed_outer_step == 1 and torch.equal(again.model.w.detach(), weights)
+    again.close()
+    assert again.outer.state.outer_step == 1  # a@3 is in the saved ledger
+
+
+def test_master_without_state_adopts_the_repository_and_skips_old_deltas(tmp_path):
+    coord = _master(tmp_path)
+    coord.start()
+    put_delta(coord.transport, "a", 3, g(1.0))
+    coord.close()
+    put_delta(coord.transport, "a", 6, g(1.0))  # arrived after the master stopped
+    new = _master(tmp_path, state_dir=str(tmp_path / "elsewhere"))  # the state directory was lost
+    new.start()
+    new.close()
+    assert new.outer.state.outer_step == 1  # adopted, and a@6 treated as already there (not re-applied)
+    assert {e.status for e in new.outer.state.ledger.entries()} == {"applied", "preexisting"}
+
+
+def test_master_prefers_the_newer_of_checkpoint_and_state_dir(tmp_path):
+    coord = _master(tmp_path)
+    coord.start()
+    put_delta(coord.transport, "a", 3, g(1.0))
+    coord.close()
+    ckpt = coord.state_dict()
+    assert ckpt["master"]["outer_step"] == 1
+    fresh = _master(tmp_path / "other")  # another repository and state dir, same checkpoint
+    fresh.load_state_dict(ckpt)
+    fresh.start()
+    fresh.close()
+    assert fresh.installed_outer_step == 1 and published(fresh.transport)[2]["outer_step"] == 1
+
+
+def test_transient_write_errors_on_the_master_never_raise(tmp_path):
+    repo = Spy(DirectoryTransport(tmp_path / "repo"))
+    loop = OuterLoop(repo, MasterState.from_model_state(Tiny().state_dict()), node_id="m", outer_lr=1.0,
+                     outer_momentum=0.0, poll_interval=1, state_dir=None, max_file_bytes=2**20)  # fmt: skip
+    repo.fail_writes = 3
+    assert loop.publish() is False
+    put_delta(repo.inner, "a", 1, g(1.0))
+    loop.run_once(), loop.run_once()
+    assert loop.errors == 3 and published(repo)[2]["outer_step"] == 1
+    with pytest.raises(TransientError):
+        repo.fail_revisions = 1
+        loop.run_once()  # a failed listing raises out of run_once; the thread catches it (test above)
