@@ -55,7 +55,7 @@ while [[ $# -gt 0 ]]; do
 done
 
 [[ -n $EXPERIMENT ]] || die "--experiment is required (see --help)"
-vars=$("$PY" scripts/plan.py vars "$EXPERIMENT" 2>&1) || die "${vars#error: }"
+vars=$("$PY" scripts/plan.py vars "$EXPERIMENT" "${EXTRA[@]}" 2>&1) || die "${vars#error: }"
 eval "$vars"
 [[ $NODE_RANK =~ ^[0-9]+$ ]] || die "--node-rank must be a number, got '$NODE_RANK'"
 
@@ -106,11 +106,13 @@ else
       timeout 2 bash -c "exec 3<>/dev/tcp/$host/$port" 2>/dev/null \
         || die "rendezvous $RDZV_ENDPOINT is unreachable (is node 0 started? firewall?)"
     fi
-  else
-    RDZV_ENDPOINT=${RDZV_ENDPOINT:-127.0.0.1:29500}
   fi
-  CMD=("$PY" -m torch.distributed.run --nnodes "$EXP_NODES" --nproc_per_node "$EXP_GPUS_PER_NODE"
-       --node_rank "$NODE_RANK" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$EXP_RUN_NAME"
+  if [[ -n $RDZV_ENDPOINT ]]; then
+    RDZV=(--node_rank "$NODE_RANK" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "$EXP_RUN_NAME")
+  else
+    RDZV=(--standalone)  # one node: torchrun picks a free local port
+  fi
+  CMD=("$PY" -m torch.distributed.run --nnodes "$EXP_NODES" --nproc_per_node "$EXP_GPUS_PER_NODE" "${RDZV[@]}"
        -m diloco.train "experiment=$EXPERIMENT" "$DEVICE" "${EXTRA[@]}")
 fi
 

@@ -37,7 +37,7 @@ def compose_experiment(name: str, overrides: list[str] = ()) -> DictConfig:
     if name not in experiments():
         known = ", ".join(experiments())
         raise PlanError(f"unknown experiment {name!r}; known: {known}")
-    import diloco.data  # noqa: F401  (registers the ${diloco_asset:...} resolver)
+    import diloco.assets  # noqa: F401  (registers the ${diloco_asset:...} resolver)
 
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose(config_name="config", overrides=[f"experiment={name}", *overrides])
@@ -89,8 +89,8 @@ def volume(cfg: DictConfig, params: int) -> dict:
     }
 
 
-def shell_vars(name: str) -> str:
-    cfg = compose_experiment(name)
+def shell_vars(name: str, overrides: list[str]) -> str:
+    cfg = compose_experiment(name, overrides)
     topo = topology(cfg)
     out = {
         "EXP_MODE": topo["mode"],
@@ -133,14 +133,14 @@ def describe(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("what", choices=["vars", "show", "list"])
-    p.add_argument("experiments", nargs="*")
+    p.add_argument("experiments", nargs="*", help="experiment names (vars: one name, then hydra overrides)")
     p.add_argument("--family")
     args = p.parse_args(argv)
     try:
         if args.what == "list":
             print("\n".join(experiments(args.family)))
         elif args.what == "vars":
-            print(shell_vars(args.experiments[0]))
+            print(shell_vars(args.experiments[0], args.experiments[1:]))
         else:
             for name in args.experiments or experiments(args.family):
                 print(describe(name))

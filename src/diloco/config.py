@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, OmegaConf
 
-from diloco.data import register_resolvers  # noqa: F401  (configs use ${diloco_asset:...})
+from diloco.assets import register_resolvers  # noqa: F401  (configs use ${diloco_asset:...})
 
 
 class ConfigError(ValueError):

@@ -33,27 +33,13 @@ from urllib.parse import urlsplit
 import torch
 from omegaconf import DictConfig
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+from diloco.assets import asset_path, register_resolvers  # noqa: F401  (configs use ${diloco_asset:...})
+
 IGNORE_INDEX = -100
 
 
 class DataError(ValueError):
     """Bad data input; the message is one readable line."""
-
-
-def asset_path(relative: str) -> str:
-    return str(ASSETS / relative)
-
-
-def register_resolvers() -> None:
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("diloco_asset"):
-        # ${diloco_asset:sample/tokenizer} -> absolute path inside the installed package
-        OmegaConf.register_new_resolver("diloco_asset", asset_path)
-
-
-register_resolvers()
 
 
 # ---------------------------------------------------------------------------------------------------
