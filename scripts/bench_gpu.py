@@ -124,7 +124,6 @@ def train_throughput(model, device, args, compiled: bool, deadline: float) -> di
     if device.type == "cuda":
         out["max_memory_gb"] = torch.cuda.max_memory_allocated(device) / bc.GB
         torch.cuda.reset_peak_memory_stats(device)
-    del opt
     return out
 
 

@@ -50,3 +50,70 @@ def test_table_formatting(value):
     common = load("bench_common")
     text = common.table([{"a": value, "b": 1}], ["a", "b"])
     assert text.count("\n") == 2 and text.startswith("| a | b |")
+
+
+def test_trainer(tmp_path):
+    record = run_tiny("bench_trainer", tmp_path)
+    (row,) = record["rows"]
+    assert row["trainer tok/s"] > 0 and row["plain loop tok/s"] > 0
+
+
+def test_comm_volume(tmp_path):
+    record = run_tiny("bench_comm_volume", tmp_path)
+    rows = {(r["mode"], r["pseudo-grad dtype"]): r for r in record["rows"]}
+    # bytes are counted, not timed: the trainer's own counters agree with the analytic payload
+    assert rows[("diloco", "float16")]["measured/analytic"] == 1.0
+    assert 1.0 <= rows[("dumb_diloco upload", "float32")]["measured/analytic"] < 1.01
+    paper = record["tables"]["Paper runs: bytes each worker sends over the whole run"]["rows"]
+    assert paper[0]["params"] == 214_983_680  # 150M: 215.0M parameters in total
+
+
+def test_outer_step(tmp_path):
+    record = run_tiny("bench_outer_step", tmp_path)
+    assert {r["impl"] for r in record["rows"]} == {"naive", "project", "proposed"}
+    assert all(r["floor_s"] > 0 for r in record["rows"])
+
+
+def test_outer_step_implementations_agree():
+    """The naive baseline and the proposed patch compute what the project's DiLoCo.outer_step does."""
+    import threading
+
+    import torch
+
+    bench = load("bench_outer_step")
+    from diloco import comm
+
+    shapes = bench.model_shapes("micro")
+    finals = {}
+    for impl in ("project", "proposed", "naive"):
+        group = comm.InProcessGroup(2, timeout_seconds=60)
+        members = [
+            bench.InPlaceInProcessCollective(group, r) if impl == "proposed" else group.member(r)
+            for r in range(2)
+        ]
+        workers = [bench.IMPLS[impl](shapes, members[r], "float32") for r in range(2)]
+        start = threading.Barrier(2)
+        for _ in range(3):
+            bench.run_round(workers, start)
+        finals[impl] = [p.detach().clone() for p in workers[0].params]
+    for a, b in zip(finals["project"], finals["proposed"]):
+        assert torch.equal(a, b)
+    for a, b in zip(finals["project"], finals["naive"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_gpu_script_skips_cleanly_without_cuda(tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert load("bench_gpu").main(["--out", str(tmp_path)]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
+    record = load("bench_gpu").main(["--tiny", "--allow-cpu", "--out", str(tmp_path)])
+    assert record == 0
+    out = json.loads(next(tmp_path.glob("gpu*.json")).read_text())
+    assert out["rows"][0]["tokens/s"] > 0 and out["flops"]["total"] > out["flops"]["dense"]
+    assert {o["global copy on"] for o in out["outer"]} == {"device", "cpu"}
