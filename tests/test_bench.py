@@ -21,6 +21,7 @@ def load(name: str):
         sys.path.insert(0, str(SCRIPTS))
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -117,3 +118,24 @@ def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
     out = json.loads(next(tmp_path.glob("gpu*.json")).read_text())
     assert out["rows"][0]["tokens/s"] > 0 and out["flops"]["total"] > out["flops"]["dense"]
     assert {o["global copy on"] for o in out["outer"]} == {"device", "cpu"}
+
+
+def test_boundary(tmp_path):
+    record = run_tiny("bench_boundary", tmp_path)
+    modes = {r["mode"] for r in record["rows"]}
+    assert modes == {"v2 (async upload)", "v2 proposed (one copy)", "v1 (sync upload)"}
+    for d in record["details"]:  # every measured boundary uploaded its delta through the throttled link
+        assert d["uploads"] >= 1 and d["bytes_uploaded"] >= d["delta_bytes"] > 0
+
+
+def test_throttled_transport_takes_size_over_bandwidth(tmp_path):
+    import time
+
+    from diloco.dumb_diloco.transport import DirectoryTransport
+
+    common = load("bench_common")
+    t = common.ThrottledTransport(DirectoryTransport(tmp_path / "repo"), bytes_per_s=1e6)
+    start = time.perf_counter()
+    t.write({"a/b.bin": b"x" * 100_000})
+    assert time.perf_counter() - start >= 0.1  # a lower bound only: 100 kB at 1 MB/s
+    assert t.read("a/b.bin") == b"x" * 100_000 and t.bytes_up == t.bytes_down == 100_000

@@ -1,0 +1,367 @@
+"""Benchmark 2 (issue #7): how long DumbDiLoCo blocks the training thread at an inner boundary.
+
+A worker node (`diloco.dumb_diloco.coordinator.Coordinator`, the project's own code) on a shared-
+directory repository whose first global was published by a master (then stopped, so no new global
+arrives and nothing is installed: the boundary is snapshot, delta, enqueue). Its transport sits behind
+a link throttled to 10 MB/s or unlimited (`bench_common.ThrottledTransport`). Each measured boundary
+finds the uploader idle (the benchmark waits, untimed, for the previous upload to finish), so every
+measured boundary captures and dispatches a delta. The stall is the wall time of `Coordinator.on_step`
+on the training thread (the coordinator's own `comm/boundary_stall_seconds` agrees).
+
+v2 (async_delta_upload: true, the default) must not depend on the link speed and must stay within
+1.5x of the floor: copying the model's state once (`torch._foreach_copy_` into buffers allocated
+beforehand, measured in the same run). v1 (all I/O on the training thread) is shown for contrast. A
+"proposed" row runs a bench-only subclass whose boundary copies the weights once into a reused buffer
+and leaves the subtraction to the uploader thread (see results/bench/README.md). A v2 boundary that
+finds an upload in flight is skipped; its stall is reported too.
+
+    python scripts/bench_boundary.py         # 14m at 10 MB/s and unlimited, 150m unlimited; ~3 minutes
+    python scripts/bench_boundary.py --tiny
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import bench_common as bc
+import torch
+
+from diloco.dumb_diloco import coordinator as coord_mod
+from diloco.dumb_diloco.coordinator import Coordinator, Settings
+from diloco.dumb_diloco.tensor_format import DeltaMeta, delta_path, pseudo_gradient
+from diloco.dumb_diloco.transport import DirectoryTransport
+
+TARGET = 1.5
+MB = 1e6
+
+
+def model_shapes(name: str):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_outer_step import model_shapes as shapes
+
+    return shapes(name)
+
+
+class Params(torch.nn.Module):
+    def __init__(self, shapes):
+        super().__init__()
+        self.params = torch.nn.ParameterList([torch.nn.Parameter(torch.full(s, 0.01)) for _, s in shapes])
+
+
+# ---------------------------------------------------------------------------------------------------
+# the proposed boundary (bench-only subclass; the change is described in results/bench/README.md)
+
+
+@dataclass
+class _LazyJob:
+    """A DeltaJob whose delta the uploader computes: the training thread only copied the weights."""
+
+    local_step: int
+    path: str
+    base: dict
+    snapshot: dict
+    carry: object
+    meta: DeltaMeta
+    steps: int
+    delta: dict | None = None
+
+
+class OneCopyCoordinator(Coordinator):
+    """v2 boundary = one copy of the weights into a buffer reused across boundaries; the uploader
+    computes float32(baseline) - float32(snapshot), adds a failed upload's carry, encodes and writes."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._spare: dict | None = None
+        self._own: set[int] = set()
+
+    def _capture(self, local_step):
+        if self._uploader is None:
+            return super()._capture(local_step)
+        state = self.model.state_dict()
+        keys = self._delta_keys
+        snap, self._spare = self._spare, None
+        if snap is None:
+            snap = {k: torch.empty_like(state[k], device="cpu") for k in keys}
+            self._own.add(id(snap))
+        torch._foreach_copy_([snap[k] for k in keys], [state[k].detach() for k in keys])  # the one copy
+        base, carry = self._baseline, self._carry
+        self._baseline, self._carry = snap, None
+        base_outer_step, steps = self.installed_outer_step, self._steps_since_capture
+        if carry is not None:
+            base_outer_step, steps = min(base_outer_step, carry.base_outer_step), steps + carry.steps
+        self._steps_since_capture = 0
+        meta = DeltaMeta(
+            node_id=self.s.node_id,
+            local_step=local_step,
+            base_outer_step=max(base_outer_step, 0),
+            tokens_since_baseline=steps * self.tokens_per_step,
+            samples_since_baseline=steps * self.samples_per_step,
+        )
+        return _LazyJob(local_step, delta_path(self.s.node_id, local_step), base, snap, carry, meta, steps)
+
+    def _send(self, job):
+        if isinstance(job, _LazyJob) and job.delta is None:
+            job.delta = pseudo_gradient(job.base, job.snapshot)
+            if job.carry is not None:
+                for k, t in job.carry.delta.items():
+                    job.delta[k].add_(t)
+            if id(job.base) in self._own:  # the old baseline buffer is ours and free again
+                self._spare = job.base
+            job.base = None
+        return super()._send(job)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def publish_first_global(repo: Path, shapes, state_dir: Path) -> None:
+    """A master publishes global outer step 0, then stops (so nothing new is ever installed)."""
+    settings = Settings(
+        role="master",
+        node_id="master-1",
+        repo_id=str(repo),
+        state_dir=str(state_dir),
+        poll_interval=3600.0,
+        publish_hf_config=False,
+    )
+    master = Coordinator(Params(shapes), settings, DirectoryTransport(repo, keep_old_versions_s=0.0))
+    master.start()
+    master.close()
+
+
+def copy_floor(model: torch.nn.Module, repeats: int) -> dict:
+    src = [t.detach() for t in model.state_dict().values()]
+    dst = [torch.empty_like(t) for t in src]
+    torch._foreach_copy_(dst, src)
+    return bc.measure(lambda: torch._foreach_copy_(dst, src), repeats=max(repeats, 5), warmup=1)
+
+
+def wait_idle(c: Coordinator, timeout: float = 900.0) -> None:
+    lane = c._uploader
+    deadline = time.monotonic() + timeout
+    while lane is not None and lane.busy and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def phase_timers(c: Coordinator) -> dict[str, float]:
+    acc = {}
+
+    def wrap(attr):
+        fn = getattr(c, attr)
+        acc[attr] = 0.0
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[attr] += time.perf_counter() - t
+
+        setattr(c, attr, timed)
+
+    for attr in ("_collect_lanes", "_capture", "_dispatch", "_poll", "_install_staged"):
+        wrap(attr)
+    return acc
+
+
+def bench_case(shapes, tmp: Path, version: str, bytes_per_s, args) -> dict:
+    repo, state = tmp / "repo", tmp / "state"
+    publish_first_global(repo, shapes, state)
+    model = Params(shapes)
+    v2 = version != "v1"
+    settings = Settings(
+        role="worker",
+        node_id="worker-1",
+        repo_id=str(repo),
+        inner_steps=1,  # every on_step is a boundary
+        poll_interval=3600.0,
+        state_dir=str(state),
+        async_delta_upload=v2,
+        async_global_poll=v2,
+        startup_timeout=60.0,
+        shutdown_timeout=900.0,
+        publish_hf_config=False,
+    )
+    cls = OneCopyCoordinator if version == "proposed" else Coordinator
+    transport = bc.ThrottledTransport(DirectoryTransport(repo, keep_old_versions_s=0.0), bytes_per_s)
+    c = cls(model, settings, transport)
+    c.start()
+    params = list(model.parameters())
+    phases = phase_timers(c)
+    stalls, own, skipped = [], [], []
+    step = 0
+    for i in range(args.warmup + args.repeats):
+        with torch.no_grad():
+            torch._foreach_add_(params, 1e-3)  # stands in for H inner steps
+        wait_idle(c)
+        for k in phases:
+            phases[k] = 0.0 if i == args.warmup else phases[k]
+        step += 1
+        t = time.perf_counter()
+        result = c.on_step(step)
+        dt = time.perf_counter() - t
+        if i >= args.warmup:
+            stalls.append(dt)
+            own.append(result.metrics.get("comm/boundary_stall_seconds", float("nan")))
+        if v2 and bytes_per_s and i >= args.warmup:  # the next boundary, while the upload is in flight
+            step += 1
+            t = time.perf_counter()
+            c.on_step(step)
+            skipped.append(time.perf_counter() - t)
+    wait_idle(c)
+    c.close()
+    summary = c.summary()
+    return {
+        "stall": bc.summarize(stalls),
+        "coordinator_stall": bc.summarize(own),
+        "skipped_stall": bc.summarize(skipped) if skipped else None,
+        "phases_per_boundary": {k: v / args.repeats for k, v in phases.items()},
+        "uploads": summary.get("comm/uploads"),
+        "skipped_boundaries": summary.get("comm/skipped_boundaries"),
+        "delta_bytes": summary.get("comm/delta_bytes"),
+        "bytes_uploaded": transport.bytes_up,
+    }
+
+
+def profile_capture(shapes, tmp: Path) -> list[dict]:
+    """torch.profiler over one v2 boundary (unlimited link): which ops the training thread runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    repo, state = tmp / "repo", tmp / "state"
+    publish_first_global(repo, shapes, state)
+    model = Params(shapes)
+    settings = Settings(
+        role="worker", node_id="worker-1", repo_id=str(repo), inner_steps=1, poll_interval=3600.0,
+        state_dir=str(state), startup_timeout=60.0, shutdown_timeout=900.0, publish_hf_config=False,
+    )  # fmt: skip
+    c = Coordinator(model, settings, DirectoryTransport(repo, keep_old_versions_s=0.0))
+    c.start()
+    c.on_step(1)
+    wait_idle(c)
+    with torch.no_grad():
+        torch._foreach_add_(list(model.parameters()), 1e-3)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        c.on_step(2)
+    wait_idle(c)
+    c.close()
+    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [
+        {
+            "op": e.key,
+            "calls": e.count,
+            "self s": e.self_cpu_time_total / 1e6,
+            "share": e.self_cpu_time_total / total,
+            "allocated GB": max(e.self_cpu_memory_usage, 0) / bc.GB,
+        }
+        for e in events[:8]
+    ]
+
+
+def main(argv=None) -> int:
+    p = bc.parser(__doc__.splitlines()[0], repeats=4, warmup=1)
+    p.add_argument("--throttled-model", default="14m", help="model measured at 10 MB/s and unlimited")
+    p.add_argument("--large-model", default="150m", help="model measured unlimited only ('' to skip)")
+    p.add_argument("--slow-mb-per-s", type=float, default=10.0)
+    args = bc.finish_args(p.parse_args(argv))
+    logging.getLogger("diloco").setLevel(logging.WARNING)
+    slow = args.slow_mb_per_s * MB
+    plan = [(args.throttled_model, v, bw) for v in ("v2", "proposed", "v1") for bw in (None, slow)]
+    if args.large_model:
+        plan += [(args.large_model, v, None) for v in ("v2", "proposed", "v1")]
+    if args.tiny:
+        plan = [("micro", v, bw) for v in ("v2", "proposed", "v1") for bw in (None, 100 * MB)]
+    rows, details, floors, profiles = [], [], {}, {}
+    for model_name, version, bw in plan:
+        shapes = model_shapes(model_name)
+        if model_name not in floors:
+            floors[model_name] = copy_floor(Params(shapes), args.repeats)
+            with tempfile.TemporaryDirectory(prefix="bench_boundary_") as tmp:
+                profiles[model_name] = profile_capture(shapes, Path(tmp))
+        with tempfile.TemporaryDirectory(prefix="bench_boundary_") as tmp:
+            d = bench_case(shapes, Path(tmp), version, bw, args)
+        floor = floors[model_name]["median"]
+        stall = d["stall"]["median"]
+        rows.append(
+            {
+                "model": model_name,
+                "mode": {
+                    "v2": "v2 (async upload)",
+                    "v1": "v1 (sync upload)",
+                    "proposed": "v2 proposed (one copy)",
+                }[version],
+                "link": "unlimited" if bw is None else f"{bw / MB:g} MB/s",
+                "delta MB": (d["delta_bytes"] or 0) / MB,
+                "stall s": stall,
+                "floor s (one copy)": floor,
+                "x_floor": stall / floor,
+                "target": TARGET if version != "v1" else None,
+                "skipped-boundary stall s": d["skipped_stall"]["median"] if d["skipped_stall"] else None,
+            }
+        )
+        details.append({"model": model_name, "version": version, "bytes_per_s": bw, **d})
+    by = {(r["model"], r["mode"], r["link"]): r for r in rows}
+    verdicts = []
+    for r in rows:
+        if r["target"] is None:
+            continue
+        other = [x for x in rows if (x["model"], x["mode"]) == (r["model"], r["mode"]) and x is not r]
+        dep = ""
+        if other and r["link"] == "unlimited":
+            o = other[0]
+            dep = f"; at {o['link']} {o['stall s']:.3f} s ({o['stall s'] / r['stall s']:.2f}x the unlimited stall)"
+        verdicts.append(
+            f"{r['model']} {r['mode']} {r['link']}: stall {r['stall s']:.3f} s = {r['x_floor']:.2f}x the one-copy "
+            f"floor ({r['floor s (one copy)']:.3f} s; target <= {TARGET}x): "
+            f"{'met' if r['x_floor'] <= TARGET else 'NOT met'}{dep}"
+        )
+    for (m, mode, link), r in by.items():
+        if mode.startswith("v1") and link == "unlimited":
+            v2 = by.get((m, "v2 (async upload)", link))
+            if v2:
+                verdicts.append(
+                    f"{m}: v1 blocks {r['stall s'] / v2['stall s']:.1f}x longer than v2 (unlimited link)"
+                )
+    tables = {}
+    for d in details:
+        if d["version"] == "v2" and d["bytes_per_s"] is None:
+            tables[
+                f"Where a v2 boundary's time goes: {d['model']}, by coordinator method (s per boundary)"
+            ] = (
+                [{"method": k, "seconds": v} for k, v in d["phases_per_boundary"].items()],
+                None,
+            )
+    for m, prof in profiles.items():
+        tables[f"Where a v2 boundary's time goes: {m}, top ops (torch.profiler)"] = (prof, None)
+    notes = [
+        "Stall: wall time of Coordinator.on_step on the training thread at a boundary that captures a delta "
+        f"(median of {args.repeats} after {args.warmup} warm-up); the uploader is idle when it starts.",
+        "Floor: torch._foreach_copy_ of the model's state into buffers allocated beforehand, same run: "
+        + ", ".join(f"{m}: {f['median'] * 1e3:.1f} ms" for m, f in floors.items()),
+        "Skipped-boundary stall: a v2 boundary reached while the previous upload is still in flight (it "
+        "captures nothing; its progress goes into the next delta).",
+        "'v2 proposed' is a bench-only subclass of Coordinator (not in src/): the boundary copies the weights "
+        "once into a reused buffer; the uploader computes the delta. It shows the floor is reachable.",
+    ]
+    bc.write(
+        "boundary",
+        "DumbDiLoCo boundary stall vs one copy of the state",
+        args,
+        rows,
+        notes=notes,
+        verdicts=verdicts,
+        tables=tables,
+        extra={"details": details, "floors": floors, "coordinator_module": coord_mod.__file__},
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
