@@ -309,13 +309,23 @@ def run(cfg: DictConfig) -> int:
                 save_checkpoint()
         if stop.requested:
             status, exit_code = "interrupted", 130
-            save_checkpoint()
-            log.warning("stopped at step %d; resume with the same command", step)
+            try:
+                save_checkpoint()
+                log.warning("stopped at step %d; resume with the same command", step)
+            except Exception as e:  # e.g. a peer already gone: the last periodic checkpoint stands
+                log.warning(
+                    "stopped at step %d without a new checkpoint (%s); the last complete one is intact",
+                    step,
+                    str(e).splitlines()[0] if str(e) else type(e).__name__,
+                )
         elif last_eval_step != step:
             eval_loss = run_eval(cfg, model, eval_set, shard_eval_sets, device, autocast, logger, step, ctx)
     except KeyboardInterrupt:
         status, exit_code = "aborted", 130
         log.warning("aborted at step %d; the last complete checkpoint is intact", step)
+    except BaseException:
+        status = "failed"  # recorded in summary.json, then the error propagates
+        raise
     finally:
         stop.restore()
         bar.close()
