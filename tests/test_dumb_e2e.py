@@ -1,0 +1,192 @@
+"""DumbDiLoCo end to end: a master and two workers as separate `python -m diloco.train` processes on the
+micro model, over a shared directory and over the loopback Hub (real huggingface_hub client, HF_TOKEN
+checked by the server), with v1 (synchronous) and v2 (background upload/poll) transport.
+
+Checks, from the repository, the master's state and the nodes' logs: outer steps advanced, every
+delta in the repository was applied exactly once, the workers installed globals newer than the first,
+and the final global model evaluates better than the initial one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_utils import compose_cfg
+
+from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, decode, parse_delta_path
+from diloco.dumb_diloco.transport import DirectoryTransport, HubTransport
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_network")]
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "hf_E2eFakeTokenNeverLogged0123456789"
+STEPS, H = 30, 5
+NODES = [("master", "master-1"), ("worker", "worker-1"), ("worker", "worker-2")]
+COMMON = [
+    "model=micro",
+    "data=sample",
+    "data.seq_len=64",
+    "train.batch_size=4",
+    "train.micro_batch_size=4",
+    "train.log_every=10",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+    "train.progress=false",
+    "eval.tokens=1024",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=2",
+    f"optim.total_steps={STEPS}",
+    f"train.max_steps={STEPS}",
+    "device=cpu",
+    "wandb.mode=disabled",
+    "distributed=dumb_diloco",
+    f"distributed.inner_steps={H}",
+    "distributed.poll_interval=0.2",
+    # With a 0.2 s poll the master makes about one outer round per delta (3 per H steps), and this
+    # 30-step run ends while the outer momentum is still moving: the spec's 0.7/0.9 diverges here (also
+    # with one round of all deltas per H; see docs/dumb_diloco.md), 0.7/0.3 trains.
+    "distributed.outer_lr=0.7",
+    "distributed.outer_momentum=0.3",
+    "distributed.startup_timeout=90",
+    "distributed.shutdown_timeout=30",
+]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
+    env |= {
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "WANDB_MODE": "disabled",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    return env | extra
+
+
+def run_nodes(tmp_path: Path, repo_id: str, mode: str, env: dict[str, str], timeout: float = 150):
+    """Start the three nodes (workers first: they wait for the master's first global); wait for all."""
+    asyncio = "true" if mode == "v2" else "false"
+    procs = []
+    for i, (role, node_id) in reversed(list(enumerate(NODES))):
+        cmd = [
+            sys.executable, "-m", "diloco.train", *COMMON,
+            f"distributed.role={role}", f"distributed.node_id={node_id}", f"distributed.repo_id={repo_id}",
+            f"distributed.async_delta_upload={asyncio}", f"distributed.async_global_poll={asyncio}",
+            f"distributed.state_dir={tmp_path / 'state'}", f"data.shard={i}", f"data.num_shards={len(NODES)}",
+            f"out_dir={tmp_path / 'runs'}", f"run_name={node_id}",
+        ]  # fmt: skip
+        if role == "master":
+            cmd.append("distributed.drain_seconds=1.5")  # aggregate the workers' last deltas before leaving
+        log = open(tmp_path / f"{node_id}.out", "w")
+        procs.append(
+            (node_id, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+        )
+    t0 = time.monotonic()
+    try:
+        for node_id, p, log in procs:
+            p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+            log.close()
+            out = (tmp_path / f"{node_id}.out").read_text()
+            assert p.returncode == 0, f"{node_id} exited {p.returncode}:\n{out[-4000:]}"
+    finally:
+        for _, p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return time.monotonic() - t0
+
+
+_EVAL: dict = {}
+
+
+@torch.no_grad()
+def eval_loss(state: dict[str, torch.Tensor] | None) -> float:
+    """Held-out loss of the initial global (state None: the master's seeded model) or of `state`."""
+    from diloco.data import eval_batches, load_tokenizer
+    from diloco.model import build_model
+    from diloco.train import evaluate
+
+    if not _EVAL:
+        cfg = compose_cfg(COMMON)
+        _EVAL["model"] = build_model(cfg.model, seed=cfg.seed)  # the master's seeded model
+        _EVAL["initial"] = {k: t.clone() for k, t in _EVAL["model"].state_dict().items()}
+        _EVAL["batches"] = eval_batches(cfg.data, load_tokenizer(cfg.data.tokenizer), 4096, 4)
+    model = _EVAL["model"]
+    model.load_state_dict(_EVAL["initial"] if state is None else state)
+    return evaluate(model, _EVAL["batches"], torch.device("cpu"), torch.autocast("cpu", enabled=False))
+
+
+def check_run(tmp_path: Path, transport) -> dict:
+    # outer steps advanced
+    info = json.loads(transport.read(GLOBAL_STEP_PATH))
+    assert info["outer_step"] >= 2, info
+    # every delta in the repository was applied exactly once (master ledger, and the master's log)
+    deltas = {parse_delta_path(f.path) for f in transport.list("nodes")}
+    per_node = {n: sorted(s for m, s in deltas if m == n) for _, n in NODES}
+    for node, steps in per_node.items():
+        assert steps and set(steps) <= set(range(H, STEPS + 1, H)), (node, steps)
+    state = json.loads((tmp_path / "state" / "master-1" / "master_state.json").read_text())
+    applied = [(e["node_id"], e["local_step"]) for e in state["ledger"] if e["status"] == "applied"]
+    assert sorted(applied) == sorted(deltas), "ledger and repository disagree"
+    assert not [e for e in state["ledger"] if e["status"] != "applied"]
+    master_log = (tmp_path / "runs" / "master-1" / "train.log").read_text()
+    logged = [int(n) for n in re.findall(r"outer step \d+ from (\d+) delta", master_log)]
+    assert sum(logged) == len(deltas) and len(logged) == info["outer_step"] == state["outer_step"]
+    # the workers installed globals newer than the first one
+    for _, node in NODES[1:]:
+        text = (tmp_path / "runs" / node / "train.log").read_text()
+        installed = [int(k) for k in re.findall(r"installed global outer step (\d+)", text)]
+        assert max(installed) >= 1, (node, installed)
+    # the final global beats the initial one on held-out data
+    tensors, meta = decode(transport.read(GLOBAL_WEIGHTS_PATH), max_bytes=2**28)
+    assert int(meta["outer_step"]) == info["outer_step"]
+    initial, final = eval_loss(None), eval_loss(tensors)
+    assert final < initial - 0.05, (initial, final)
+    summaries = {n: json.loads((tmp_path / "runs" / n / "summary.json").read_text()) for _, n in NODES}
+    for s in summaries.values():
+        assert s["status"] == "completed" and s["comm/uploads"] >= 1 and s["comm/total_bytes"] > 0
+    return {"deltas": len(deltas), "outer_steps": info["outer_step"], "initial": initial, "final": final,
+            "summaries": summaries}  # fmt: skip
+
+
+def _report(name: str, seconds: float, r: dict) -> None:
+    stall = {n: round(s["comm/boundary_stall_seconds_mean"], 4) for n, s in r["summaries"].items()}
+    print(
+        f"\n[{name}] {seconds:.1f}s, {r['deltas']} deltas, {r['outer_steps']} outer steps, eval loss "
+        f"{r['initial']:.3f} -> {r['final']:.3f}, delta bytes {r['summaries']['worker-1']['comm/delta_bytes']}, "
+        f"mean boundary stall {stall}, skipped {[s['comm/skipped_boundaries'] for s in r['summaries'].values()]}"
+    )
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2"])
+def test_master_and_two_workers_over_a_shared_directory(tmp_path, mode):
+    seconds = run_nodes(tmp_path, str(tmp_path / "repo"), mode, _env())
+    r = check_run(tmp_path, DirectoryTransport(tmp_path / "repo", create=False))
+    _report(f"directory {mode}", seconds, r)
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2"])
+def test_master_and_two_workers_over_the_hub(tmp_path, mode):
+    from hub_server import HubServer
+
+    with HubServer(token=TOKEN) as server:  # refuses any request without HF_TOKEN's value
+        env = _env(HF_ENDPOINT=server.url, HF_TOKEN=TOKEN, HF_HOME=str(tmp_path / "hf_home"))
+        seconds = run_nodes(tmp_path, "e2e-org/run", mode, env)
+        hub = HubTransport("e2e-org/run", token=TOKEN, endpoint=server.url, create=False)
+        r = check_run(tmp_path, hub)
+        assert server.unknown == [], server.unknown  # the client made no call the loopback Hub does not model
+        commits = server.counts["commit"]
+    _report(f"hub {mode} ({commits} commits)", seconds, r)
+    for path in tmp_path.rglob("*"):  # the token is in no log, config, summary or state file
+        if path.is_file() and "hf_home" not in path.parts:
+            assert TOKEN.encode() not in path.read_bytes(), path
