@@ -65,3 +65,19 @@ check: setup  ## judge finished runs in runs/ against the paper (results/referen
 
 clean:  ## remove runs and caches (keeps .venv)
 	rm -rf runs outputs multirun .pytest_cache .ruff_cache
+
+# Benchmarks (issue #7): each script prints a table and writes results/bench/<name>.json; the report
+# turns them into results/bench/README.md. CPU ones take under 20 minutes on 2 cores.
+BENCH_ENV := WANDB_MODE=disabled HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+BENCH_CPU := wire trainer comm_volume outer_step boundary utilization
+
+.PHONY: bench bench-gpu
+
+bench: setup  ## CPU benchmarks (outer step, boundary stall, wire, trainer, utilization, bytes) -> results/bench/
+	@set -e; for b in $(BENCH_CPU); do echo "== bench_$$b"; $(BENCH_ENV) $(PY) scripts/bench_$$b.py; done
+	$(PY) scripts/bench_report.py
+
+bench-gpu: setup  ## GPU benchmarks (150M tokens/s, MFU, torch.compile, outer step; trainer at 150M) -> results/bench/
+	$(BENCH_ENV) $(PY) scripts/bench_gpu.py
+	$(BENCH_ENV) $(PY) scripts/bench_trainer.py --models 150m --device cuda
+	$(PY) scripts/bench_report.py

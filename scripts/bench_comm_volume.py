@@ -213,7 +213,12 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench_comm_") as tmp:
         measured = {(m["mode"], m["dtype"]): m for m in measured_collectives(Path(tmp), h, rounds, runs)}
-        dumb = measured_dumb(Path(tmp), h, rounds)
+        # the tiny run skips the DumbDiLoCo trainer run (bench_utilization's test runs that path)
+        dumb = (
+            dict(encoded_sizes(), source="tensor_format.encode sizes (--tiny)")
+            if args.tiny
+            else measured_dumb(Path(tmp), h, rounds)
+        )
 
     ddp = analytic(n, nt, h, "ddp")
     rows = []

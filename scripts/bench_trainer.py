@@ -193,7 +193,7 @@ def main(argv=None) -> int:
     if any(math.isnan(r["ratio"]) for r in rows):
         notes.append("a ratio is NaN: a run logged no window after warm-up")
     bc.write(
-        "trainer",
+        "trainer" if args.device == "cpu" else "trainer_gpu",
         "Trainer overhead: diloco.train.run vs a plain PyTorch loop",
         args,
         rows,

@@ -64,7 +64,7 @@ def test_comm_volume(tmp_path):
     rows = {(r["mode"], r["pseudo-grad dtype"]): r for r in record["rows"]}
     # bytes are counted, not timed: the trainer's own counters agree with the analytic payload
     assert rows[("diloco", "float16")]["measured/analytic"] == 1.0
-    assert 1.0 <= rows[("dumb_diloco upload", "float32")]["measured/analytic"] < 1.01
+    assert 1.0 <= rows[("dumb_diloco upload", "float32")]["measured/analytic"] < 1.01  # header bytes
     paper = record["tables"]["Paper runs: bytes each worker sends over the whole run"]["rows"]
     assert paper[0]["params"] == 214_983_680  # 150M: 215.0M parameters in total
 
@@ -139,3 +139,18 @@ def test_throttled_transport_takes_size_over_bandwidth(tmp_path):
     t.write({"a/b.bin": b"x" * 100_000})
     assert time.perf_counter() - start >= 0.1  # a lower bound only: 100 kB at 1 MB/s
     assert t.read("a/b.bin") == b"x" * 100_000 and t.bytes_up == t.bytes_down == 100_000
+
+
+def test_utilization(tmp_path):
+    record = run_tiny("bench_utilization", tmp_path)
+    assert {r["mode"] for r in record["rows"]} == {"DiLoCo FP32", "DumbDiLoCo v2"}
+    for r in record["rows"]:
+        assert 0 < r["utilization"] <= 1
+
+
+def test_report_collects_every_record(tmp_path):
+    run_tiny("bench_wire", tmp_path)
+    (tmp_path / "FINDINGS.md").write_text("## Findings\n\nhand-written")
+    assert load("bench_report").main(["--out", str(tmp_path)]) == 0
+    readme = (tmp_path / "README.md").read_text()
+    assert "3. Wire format" in readme and "hand-written" in readme and "7. GPU**: not measured" in readme
