@@ -392,3 +392,22 @@ def test_transient_write_errors_on_the_master_never_raise(tmp_path):
     with pytest.raises(TransientError):
         repo.fail_revisions = 1
         loop.run_once()  # a failed listing raises out of run_once; the thread catches it (test above)
+
+
+def test_master_refuses_a_repository_of_another_model_and_replaces_a_corrupt_global(tmp_path):
+    from dumb_helpers import publish, publish_raw
+
+    from diloco.dumb_diloco.coordinator import DumbDiLoCoError
+
+    publish(DirectoryTransport(tmp_path / "repo"), Tiny(bf16=True).state_dict(), 3)
+    with pytest.raises(DumbDiLoCoError, match="is not this model"):
+        _master(tmp_path).start()
+    other = tmp_path / "other"
+    publish_raw(
+        DirectoryTransport(other / "repo"), {**Tiny().state_dict(), "b": torch.tensor([float("nan"), 0])}, 5
+    )
+    coord = _master(other)
+    coord.start()
+    coord.close()
+    info = published(DirectoryTransport(other / "repo"))[2]
+    assert info["outer_step"] == 6  # above the corrupt one, so every reader installs it

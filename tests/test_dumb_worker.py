@@ -324,3 +324,33 @@ def test_state_dict_is_loadable_with_weights_only(tmp_path):
     assert other.uploads == 1 and other.bytes_uploaded == coord.bytes_uploaded
     summary = coord.summary()
     assert summary["comm/total_bytes"] == coord.bytes_uploaded + coord.bytes_downloaded > 0
+
+
+def test_a_global_of_another_model_fails_fast_a_corrupt_one_is_waited_out(tmp_path):
+    repo = DirectoryTransport(tmp_path / "repo")
+    publish(repo, Tiny(complex_param=True).state_dict(), 0)  # a different model
+    coord = Coordinator(Tiny(), settings(tmp_path / "repo", startup_timeout=30), repo)
+    t0 = time.monotonic()
+    with pytest.raises(DumbDiLoCoError, match="is not this model .*same model config"):
+        coord.connect()
+    assert time.monotonic() - t0 < 5
+    bad = DirectoryTransport(tmp_path / "bad")
+    publish_raw(bad, {**Tiny().state_dict(), "w": torch.full((2, 2), float("nan"))}, 0)
+    waiting = Coordinator(Tiny(), settings(tmp_path / "bad", startup_timeout=0.3, poll_interval=0.05), bad)
+    with pytest.raises(DumbDiLoCoError, match="NaN or Inf"):
+        waiting.connect()  # waited for a valid one, then said why it gave up
+
+
+def test_num_peers_comes_from_the_installed_round(tmp_path):
+    from dumb_helpers import put_delta
+
+    from diloco.dumb_diloco.master import MasterState, OuterLoop
+
+    coord, repo, model = worker(tmp_path)
+    loop = OuterLoop(repo.inner, MasterState.from_model_state(model.state_dict()), node_id="m", outer_lr=0.1,
+                     outer_momentum=0.0, poll_interval=1, state_dir=None, max_file_bytes=2**20)  # fmt: skip
+    for node in ("a", "b", "c"):
+        put_delta(repo.inner, node, 3, {"w": torch.ones(2, 2), "b": torch.ones(2)})
+    loop.run_once()
+    metrics = [coord.on_step(s).metrics for s in (1, 2, 3)][-1]
+    assert metrics["outer/step"] == 1 and metrics["num_peers"] == 3

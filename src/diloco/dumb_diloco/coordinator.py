@@ -60,6 +60,7 @@ from .tensor_format import (
     decode,
     delta_path,
     encode,
+    parse_header,
     pseudo_gradient,
     validate_node_id,
 )
@@ -82,6 +83,10 @@ ROLES = ("master", "worker", "single")
 class DumbDiLoCoError(ConfigError):
     """A node that cannot take part (bad setting, unreachable repository, no master): one readable line.
     A ConfigError, so the trainer prints it as `error: ...` instead of a traceback."""
+
+
+class GlobalMismatch(InvalidTensorFile):
+    """A well-formed global of another model (keys, shapes or dtypes): waiting will not fix it."""
 
 
 # --------------------------------------------------------------------------- settings
@@ -418,6 +423,7 @@ class Coordinator:
             return  # already connected and holding a global
         deadline = self._clock() + self.s.startup_timeout
         announced = False
+        rejected = ""  # why the newest global was refused, if it was
         while True:
             try:
                 if self.transport is None:
@@ -431,8 +437,15 @@ class Coordinator:
                 waiting_for = f"the repository ({err})"
             except TransportError as err:
                 raise DumbDiLoCoError(f"node {self.s.node_id}: cannot read {self.s.repo_id}: {err}") from None
+            except GlobalMismatch as err:
+                raise DumbDiLoCoError(
+                    f"node {self.s.node_id}: the global model in {self.s.repo_id} is not this model "
+                    f"({err.reason}); use the same model config as the master, or another repo_id"
+                ) from None
             except InvalidTensorFile as err:
-                waiting_for = f"a valid global model (the current one is rejected: {err.reason})"
+                rejected = err.reason
+            if rejected:
+                waiting_for = f"a valid global model (the newest was rejected: {rejected})"
             remaining = deadline - self._clock()
             if remaining <= 0:
                 raise DumbDiLoCoError(
@@ -488,14 +501,21 @@ class Coordinator:
             self._check_layout(chosen.published(), f"the master state in {self.state_dir}")
         try:
             repo = self.fetch_global()
+        except GlobalMismatch as err:
+            raise DumbDiLoCoError(
+                f"master {self.s.node_id}: the global model in {self.s.repo_id} is not this model ({err.reason}); "
+                "use the model config of that run, or another repo_id"
+            ) from None
         except InvalidTensorFile as err:
-            log.warning("master: the repository's global is invalid (%s); it will be replaced", err)
+            log.warning("master: the repository's global is corrupt (%s); it will be replaced", err)
             repo = None
         except TransportError as err:
             raise DumbDiLoCoError(f"master {self.s.node_id}: cannot read {self.s.repo_id}: {err}") from None
         publish = True
         if repo is None:
             state = chosen or MasterState.from_model_state(self.model.state_dict(), outer_step=0)
+            corrupt = max((k for k, _ in self._rejected_globals), default=-1)
+            state.outer_step = max(state.outer_step, corrupt + 1)  # readers only install newer steps
         elif chosen is not None and chosen.outer_step >= repo.outer_step:
             state, publish = chosen, chosen.outer_step > repo.outer_step
         else:
@@ -694,9 +714,29 @@ class Coordinator:
         except InvalidTensorFile as err:
             self._rejected_globals.add((outer_step, sha))
             self.rejected_globals += 1
-            raise InvalidTensorFile(f"global outer step {outer_step}: {err.reason}") from None
+            kind = GlobalMismatch if self._is_other_model(blob) else InvalidTensorFile
+            raise kind(f"global outer step {outer_step}: {err.reason}") from None
         self._last_step_info = info
-        return GlobalSnapshot(outer_step, tensors, source="repo")
+        peers = len({d.get("node_id") for d in info.get("deltas", []) if isinstance(d, dict)})
+        return GlobalSnapshot(outer_step, tensors, source="repo", num_peers=peers)
+
+    def _is_other_model(self, blob: bytes) -> bool:
+        """True for a well-formed file whose keys, shapes or dtypes differ from this model's."""
+        try:
+            parse_header(blob, file_size=len(blob))
+        except InvalidTensorFile:
+            return False  # corrupt, not another model
+        try:
+            decode(
+                blob,
+                max_bytes=len(blob),
+                expected=self._global_layout,
+                require_finite=False,
+                verify_sha=False,
+            )
+        except InvalidTensorFile:
+            return True
+        return False
 
     def _safe_fetch(self) -> GlobalSnapshot | None:
         try:
@@ -753,10 +793,7 @@ class Coordinator:
         self._steps_since_capture = 0
         self.installed_outer_step = snapshot.outer_step
         self.installs += 1
-        if snapshot.source == "repo":
-            self.num_peers = len({d["node_id"] for d in self._last_step_info.get("deltas", [])})
-        elif self.outer is not None:
-            self.num_peers = self.outer.last_num_peers
+        self.num_peers = snapshot.num_peers
         log.info("node %s: installed global outer step %d", self.s.node_id, snapshot.outer_step)
         return True
 

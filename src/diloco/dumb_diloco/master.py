@@ -112,6 +112,7 @@ class GlobalSnapshot:
     outer_step: int
     state: dict[str, torch.Tensor]
     source: str = "repo"  # "repo" (downloaded) or "master" (this process's outer loop)
+    num_peers: int = 0  # distinct nodes whose deltas made this version's round
 
 
 # --------------------------------------------------------------------------- ledger
@@ -570,7 +571,9 @@ class OuterLoop:
 
     def snapshot(self) -> GlobalSnapshot:
         with self.lock:
-            return GlobalSnapshot(self.state.outer_step, self.state.published(), source="master")
+            return GlobalSnapshot(
+                self.state.outer_step, self.state.published(), "master", self.last_num_peers
+            )
 
     def notify(self) -> None:
         self.on_snapshot(self.snapshot())
