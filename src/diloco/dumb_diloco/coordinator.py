@@ -368,7 +368,7 @@ class Coordinator:
         self._rejected_globals: set[tuple[int, str]] = set()
         self._last_step_info: dict = {}  # step_count.json of the newest global fetched
         self._last_poll = -math.inf
-        self._last_step = 0
+        self.local_step = 0  # the last step the trainer reported
         self._uploader: Lane | None = None
         self._poller: Lane | None = None
         self.outer: OuterLoop | None = None
@@ -562,7 +562,7 @@ class Coordinator:
         if not self.started:
             self.start()
         t0 = time.perf_counter()
-        self._last_step = local_step  # 2
+        self.local_step = local_step  # 2
         self._steps_since_capture += 1
         self._collect_lanes()
         boundary = local_step % self.s.inner_steps == 0
@@ -571,7 +571,7 @@ class Coordinator:
             self.boundaries += 1
             if self._uploader is not None and self._uploader.busy:
                 self.skipped_boundaries += 1
-                log.info(
+                log.warning(
                     "node %s: boundary at step %d skipped, the previous upload is still in flight "
                     "(its progress stays in the next cumulative delta)", self.s.node_id, local_step,
                 )  # fmt: skip
