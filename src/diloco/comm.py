@@ -161,14 +161,10 @@ class InProcessCollective(Collective):
         super().__init__()
         self.group, self.size, self.rank = group, group.size, rank
 
-    def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
+    def _wait(self) -> None:
         g = self.group
         try:
-            g._slots[self.rank] = t.detach().clone()
             g._barrier.wait()
-            slots = list(g._slots)
-            g._barrier.wait()  # nobody overwrites a slot before everyone has read them all
-            return slots
         except threading.BrokenBarrierError:
             g._barrier.abort()
             raise CommError(
@@ -176,12 +172,34 @@ class InProcessCollective(Collective):
                 f"(timeout {g.timeout:g} s): a worker thread died or hung"
             ) from None
 
+    def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
+        self.group._slots[self.rank] = t.detach().clone()
+        self._wait()
+        slots = list(self.group._slots)
+        self._wait()  # nobody overwrites a slot before everyone has read them all
+        return slots
+
     def _all_reduce(self, t, op):
-        slots = self._exchange(t)
-        out = slots[0].clone()
-        for s in slots[1:]:
-            out = out + s if op == "sum" else torch.maximum(out, s)
-        t.copy_(out)
+        if op != "sum" or not t.is_contiguous():
+            slots = self._exchange(t)
+            out = slots[0].clone()
+            for s in slots[1:]:
+                out = out + s if op == "sum" else torch.maximum(out, s)
+            t.copy_(out)
+            return
+        # In place, no temporaries (the simulated outer step is memory-bound): member r sums chunk r of
+        # every member's tensor, in rank order, into member 0's (only member r touches chunk r), then
+        # every other member copies the whole sum from member 0.
+        g, r = self.group, self.rank
+        g._slots[r] = t.detach().view(-1)
+        self._wait()
+        chunks = [s.tensor_split(self.size) for s in g._slots]  # [member][chunk]
+        for s in range(1, self.size):
+            chunks[0][r].add_(chunks[s][r])
+        self._wait()
+        if r:
+            g._slots[r].copy_(g._slots[0])
+        self._wait()  # member 0 changes its tensor only after everyone has copied the sum
 
     def _all_gather(self, t):
         return torch.stack(self._exchange(t))
@@ -342,7 +360,7 @@ class RoundMeter:
         self._sketch: list[torch.Tensor] = []
 
     def observe(self, bucket: int, pseudo_grad: torch.Tensor) -> None:
-        self._sq.append(pseudo_grad.double().square().sum())
+        self._sq.append(torch.linalg.vector_norm(pseudo_grad).double().square())  # one pass, no copy
         if self.positions is not None:
             self._sketch.append(pseudo_grad[self.positions[bucket]])
 

@@ -104,8 +104,14 @@ class DiLoCo:
             self.global_params = [
                 torch.cat([p.reshape(-1).float() for p in b]).to(home) for b in self.buckets
             ]
-        self.outer_optimizer = torch.optim.SGD(
+        self.outer_optimizer = _outer_sgd(
             self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
+        )
+        # On the CPU a fresh 128 MB buffer costs page faults every round (several times a copy): reuse them.
+        self._pseudo_grads = (
+            [torch.empty(t.numel(), device=self.device) for t in self.global_params]
+            if self.device.type == "cpu"
+            else None
         )
         positions = comm.sample_positions(
             [sum(s) for s in self.sizes], cosine_sample_size, cosine_sample_seed, self.device
@@ -150,14 +156,18 @@ class DiLoCo:
         mean_sq = []
         for b, (params, sizes, theta) in enumerate(zip(self.buckets, self.sizes, self.global_params)):
             owner = b % self.intra.size  # the rank of this worker that all-reduces bucket b
-            pseudo_grad = torch.empty(theta.numel(), device=self.device)  # [n] float32
+            pseudo_grad = (  # [n] float32
+                self._pseudo_grads[b]
+                if self._pseudo_grads
+                else torch.empty(theta.numel(), device=self.device)
+            )
             if owner == self.intra.rank:
                 torch._foreach_copy_(_views(pseudo_grad, params), params)  # theta_i
                 torch.sub(theta.to(self.device), pseudo_grad, out=pseudo_grad)  # theta_{t-1} - theta_i
                 self.meter.observe(b, pseudo_grad)
                 self.averager.average_(pseudo_grad, sizes)  # 1/W sum_i, in pseudo_grad_dtype on the wire
             self.intra.broadcast_(pseudo_grad, src=owner, tag="intra_worker")
-            mean_sq.append(pseudo_grad.double().square().sum())
+            mean_sq.append(torch.linalg.vector_norm(pseudo_grad).double().square())  # one pass, no copy
             theta.grad = pseudo_grad.to(theta.device)
         norm = math.sqrt(torch.stack(mean_sq).sum().item())
         if not math.isfinite(norm):  # the same on every rank: all fail together, nothing is applied
@@ -247,6 +257,15 @@ class DiLoCo:
 
     def _intra_bytes(self) -> int:  # this rank, inside its worker: DDP gradients + mean broadcasts
         return self.intra.sent.get("intra_worker", 0) + self._ddp_bytes()
+
+
+def _outer_sgd(params: list[torch.Tensor], **hyper) -> torch.optim.SGD:
+    """torch.optim.SGD, fused (one pass over weights, momentum and gradient, no temporaries; the same
+    results) where this torch supports it for these tensors."""
+    try:
+        return torch.optim.SGD(params, **hyper, fused=True)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.SGD(params, **hyper)
 
 
 def _views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
