@@ -33,7 +33,6 @@ ONE worker. Seconds scale linearly with the parameter count; the ratio to the fl
 from __future__ import annotations
 
 import gc
-import math
 import sys
 import threading
 import time
@@ -42,7 +41,7 @@ import bench_common as bc
 import torch
 
 from diloco import comm
-from diloco.diloco import DiLoCo, _views
+from diloco.diloco import DiLoCo
 
 TARGET = 2.0
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
@@ -84,12 +83,11 @@ class ProjectWorker:
     """One worker running the project's own DiLoCo.outer_step."""
 
     label = "project: DiLoCo.outer_step"
-    diloco_class = DiLoCo
 
     def __init__(self, shapes, coll: comm.Collective, dtype: str):
         self.model = Params(shapes, 0.01)
         inner = torch.optim.AdamW(self.model.parameters())  # only read for reset_inner_optimizer
-        self.diloco = self.diloco_class(
+        self.diloco = DiLoCo(
             self.model,
             inner,
             coll,
@@ -146,110 +144,7 @@ class NaiveWorker:
             p.copy_(g)
 
 
-# ---------------------------------------------------------------------------------------------------
-# the changes this benchmark proposes for diloco.py / comm.py, applied by subclassing (no source
-# change): measured as their own row so the gain is visible. See results/bench/README.md.
-
-
-class InPlaceInProcessCollective(comm.InProcessCollective):
-    """Sum all-reduce in place, no temporaries: member r sums chunk r of every member's tensor into
-    its own (reduce-scatter), then copies every other chunk from its owner (all-gather)."""
-
-    def _all_reduce(self, t, op):
-        if op != "sum" or not t.is_contiguous():
-            return super()._all_reduce(t, op)
-        g, r = self.group, self.rank
-        try:
-            g._slots[r] = t.view(-1)
-            g._barrier.wait()
-            chunks = [s.tensor_split(self.size) for s in g._slots]  # [member][chunk]
-            mine = chunks[r][r]
-            for s in range(self.size):
-                if s != r:
-                    mine.add_(chunks[s][r])  # only member r writes chunk r: no race
-            g._barrier.wait()
-            for s in range(self.size):
-                if s != r:
-                    chunks[r][s].copy_(chunks[s][s])
-            g._barrier.wait()  # nobody changes its tensor before every member has copied from it
-        except threading.BrokenBarrierError:
-            g._barrier.abort()
-            raise comm.CommError("in-process collective broke") from None
-
-
-class InPlaceAverager(comm.Averager):
-    """A float32 wire needs no copy: all-reduce the bucket itself."""
-
-    def average_(self, flat, sizes):
-        if self.wire != torch.float32:
-            return super().average_(flat, sizes)
-        self.coll.all_reduce_(flat, op="sum", tag=f"pseudo_grad_{self.dtype}")
-        return flat.div_(self.coll.size)
-
-
-class Float32NormMeter(comm.RoundMeter):
-    """The squared norm in one float32 pass (torch.linalg.vector_norm), not through a float64 copy."""
-
-    def observe(self, bucket, pseudo_grad):
-        self._sq.append(torch.linalg.vector_norm(pseudo_grad).double().square())
-        if self.positions is not None:
-            self._sketch.append(pseudo_grad[self.positions[bucket]])
-
-
-class ProposedDiLoCo(DiLoCo):
-    """DiLoCo.outer_step with: pseudo-gradient buffers allocated once, float32 norms, fused SGD, an
-    in-place float32 average. Same results as DiLoCo.outer_step (checked in the test suite)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        group = self.outer_optimizer.param_groups[0]
-        self.outer_optimizer = torch.optim.SGD(
-            self.global_params,
-            lr=group["lr"],
-            momentum=group["momentum"],
-            nesterov=group["nesterov"],
-            fused=True,  # one pass over grad, momentum and weights; no temporaries
-        )
-        self.averager = InPlaceAverager(self.cross, self.averager.dtype, self.averager.scaled)
-        self.meter = Float32NormMeter(self.averager, self.intra, self.meter.positions)
-        self._pseudo_grads = [torch.empty(t.numel(), device=self.device) for t in self.global_params]
-
-    @torch.no_grad()
-    def outer_step(self):
-        self.outer_round += 1
-        self.meter.begin()
-        sq = []
-        buckets = zip(self.buckets, self.sizes, self.global_params, self._pseudo_grads)
-        for b, (params, sizes, theta, pseudo_grad) in enumerate(buckets):
-            owner = b % self.intra.size
-            if owner == self.intra.rank:
-                torch._foreach_copy_(_views(pseudo_grad, params), params)  # theta_i
-                torch.sub(theta.to(self.device), pseudo_grad, out=pseudo_grad)  # theta_{t-1} - theta_i
-                self.meter.observe(b, pseudo_grad)
-                self.averager.average_(pseudo_grad, sizes)
-            self.intra.broadcast_(pseudo_grad, src=owner, tag="intra_worker")
-            sq.append(torch.linalg.vector_norm(pseudo_grad).double().square())
-            theta.grad = pseudo_grad.to(theta.device)
-        norm = math.sqrt(torch.stack(sq).sum().item())
-        if not math.isfinite(norm):
-            raise FloatingPointError(
-                f"outer step {self.outer_round}: the averaged pseudo-gradient is not finite"
-            )
-        self.outer_optimizer.step()
-        self.outer_optimizer.zero_grad(set_to_none=True)
-        for params, theta in zip(self.buckets, self.global_params):
-            torch._foreach_copy_(params, _views(theta.to(self.device), params))
-        if self.reset_inner_optimizer:
-            self.inner_optimizer.state.clear()
-        return self._round_metrics(norm)
-
-
-class ProposedWorker(ProjectWorker):
-    label = "proposed: outer_step with the fixes (bench-only patch)"
-    diloco_class = ProposedDiLoCo
-
-
-IMPLS = {"naive": NaiveWorker, "project": ProjectWorker, "proposed": ProposedWorker}
+IMPLS = {"naive": NaiveWorker, "project": ProjectWorker}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -283,10 +178,7 @@ def run_round(workers, start: threading.Barrier) -> float:
 
 def bench_impl(impl: str, shapes, w: int, dtype: str, args) -> tuple[dict, list]:
     group = comm.InProcessGroup(w, timeout_seconds=600)
-    members = [
-        InPlaceInProcessCollective(group, r) if impl == "proposed" else group.member(r) for r in range(w)
-    ]
-    workers = [IMPLS[impl](shapes, members[r], dtype) for r in range(w)]
+    workers = [IMPLS[impl](shapes, group.member(r), dtype) for r in range(w)]
     start = threading.Barrier(w)
     times = [run_round(workers, start) for _ in range(args.warmup + args.repeats)][args.warmup :]
     return bc.summarize(times), workers
@@ -414,7 +306,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=2, help="W in-process workers")
     p.add_argument("--layers-1b", type=int, default=3, help="decoder layers of the 1.1B shape (of 22)")
     p.add_argument("--dtypes", nargs="+", default=["float32"], help="wire dtypes (float32 float16 bfloat16)")
-    p.add_argument("--impls", nargs="+", default=["naive", "project", "proposed"], choices=list(IMPLS))
+    p.add_argument("--impls", nargs="+", default=["naive", "project"], choices=list(IMPLS))
     p.add_argument("--no-profile", action="store_true")
     args = bc.finish_args(p.parse_args(argv))
     plan = [(s, None if s != "1b" else args.layers_1b) for s in args.shapes]
