@@ -116,6 +116,8 @@ class Settings:
     request_timeout: float = 60.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     publish_hf_config: bool = True
+    # past the specification (docs/dumb_diloco.md "Past the specification"); defaults = the spec's behaviour
+    min_deltas_per_round: int = 0
 
     @classmethod
     def from_config(cls, dcfg: Any) -> Settings:
@@ -172,6 +174,7 @@ class Settings:
             request_timeout=get("request_timeout", 60),
             retry=retry,
             publish_hf_config=get("publish_hf_config", True),
+            min_deltas_per_round=get("min_deltas_per_round", 0),
         )
         s._check()
         if token is not None and role != "single":
@@ -202,6 +205,7 @@ class Settings:
         number("shutdown_timeout", 0, strict=False)
         number("drain_seconds", 0, strict=False)
         number("request_timeout", 0)
+        number("min_deltas_per_round", 0, strict=False, integer=True)
         if self.max_file_bytes is not None:
             number("max_file_bytes", 0, integer=True)
         for key in ("reset_inner_optimizer", "async_delta_upload", "async_global_poll", "publish_hf_config"):
@@ -541,6 +545,7 @@ class Coordinator:
             max_file_bytes=self.max_file_bytes,
             on_snapshot=self._stage,
             hf_config=self.hf_config,
+            min_deltas_per_round=self.s.min_deltas_per_round,
         )
         if repo is not None and chosen is None:
             n = self.outer.mark_existing_as_processed()
@@ -839,6 +844,7 @@ class Coordinator:
                 "outer/deltas_rejected": self.outer.deltas_rejected,
                 "outer/pseudo_grad_norm": self.outer.last_pseudo_grad_norm,
                 "outer/errors": self.outer.errors,
+                "outer/pending_deltas": self.outer.pending,
             }
         return m
 

@@ -129,6 +129,8 @@ class LedgerEntry:
     outer_step: int  # the round that applied it (applied) or that was current when it was seen
     base_outer_step: int = -1  # the global version the node's baseline came from (-1: unknown)
     reason: str = ""
+    # outer steps the master had taken since the delta's base when it applied (or rejected) it; -1: unknown
+    staleness: int = -1
 
     @property
     def identity(self) -> tuple[str, int, str]:
@@ -345,6 +347,7 @@ class OuterLoop:
         max_file_bytes: int,
         on_snapshot: Callable[[GlobalSnapshot], None] = lambda snapshot: None,
         hf_config: dict | None = None,
+        min_deltas_per_round: int = 0,
     ):
         self.transport, self.state = transport, state
         self.node_id = node_id
@@ -353,6 +356,9 @@ class OuterLoop:
         self.poll_interval, self.state_dir, self.max_file_bytes = poll_interval, state_dir, max_file_bytes
         self.on_snapshot = on_snapshot
         self.hf_config = hf_config
+        # quorum (past the spec): keep validated deltas pending until this many are there (0: the spec, >= 1)
+        self.min_deltas_per_round = min_deltas_per_round
+        self._pending: dict[tuple[str, int, str], tuple[Candidate, dict[str, torch.Tensor]]] = {}
         self._delta_layout = delta_layout(state.published())
         self.lock = threading.Lock()  # guards `state` against checkpointing from the training thread
         self._ignored_nodes: set[str] = set()
@@ -389,27 +395,30 @@ class OuterLoop:
 
     # ---- one poll: the ten steps
 
-    def run_once(self) -> RoundResult:
+    def run_once(self, flush: bool = False) -> RoundResult:
+        """One poll. With `min_deltas_per_round` N > 0 valid deltas wait (in memory, not in the ledger)
+        until N are pending; `flush` (shutdown) applies the pending ones even below N."""
         start = time.perf_counter()
         if self._unpublished:
             self.publish()
         revision = self.transport.revision()
         listed = self._list_deltas(revision)  # 1
         candidates = [self._candidate(f, revision) for f in listed]  # 2 (headers: the identities)
-        candidates = [c for c in candidates if c is not None and c.identity not in self.state.ledger]  # 3
+        candidates = [c for c in candidates if c is not None and self._is_new(c.identity)]  # 3
         if candidates:
             self._last_new_delta = time.monotonic()
         result = RoundResult(outer_step=self.state.outer_step)
-        valid: list[tuple[Candidate, dict[str, torch.Tensor]]] = []
         for c in candidates:
             tensors = self._download_and_validate(c, revision)  # 2 (payload) + 4
             if isinstance(tensors, str):
+                base = c.meta.base_outer_step if c.meta else -1
                 entry = LedgerEntry(c.node_id, c.local_step, c.sha256, "rejected", self.state.outer_step,
-                                    c.meta.base_outer_step if c.meta else -1, tensors)  # fmt: skip
+                                    base, tensors, self._staleness(base))  # fmt: skip
                 result.rejected.append(entry)
                 log.warning("master: rejected delta %s: %s", c.path, tensors)
             elif tensors is not None:
-                valid.append((c, tensors))
+                self._pending[c.identity] = (c, tensors)
+        valid = self._take_round(flush)
         with self.lock:
             for entry in result.rejected:
                 self.state.ledger.add(entry)
@@ -420,13 +429,14 @@ class OuterLoop:
                     sum(float(g.double().square().sum()) for g in mean.values())
                 )
                 nesterov_outer_step(self.state, mean, self.outer_lr, self.outer_momentum)  # 6
-                self.state.outer_step += 1
                 for c, _ in valid:
                     assert c.meta is not None
-                    entry = LedgerEntry(c.node_id, c.local_step, c.sha256, "applied", self.state.outer_step,
-                                        c.meta.base_outer_step)  # fmt: skip
+                    base = c.meta.base_outer_step
+                    entry = LedgerEntry(c.node_id, c.local_step, c.sha256, "applied", self.state.outer_step + 1,
+                                        base, staleness=self._staleness(base))  # fmt: skip
                     self.state.ledger.add(entry)
                     result.applied.append(entry)
+                self.state.outer_step += 1
                 result.outer_step = self.state.outer_step
                 self.deltas_accepted += len(valid)
                 self.rounds += 1
@@ -447,6 +457,30 @@ class OuterLoop:
                 result.pseudo_grad_norm, len(result.rejected), result.seconds,
             )  # fmt: skip
         return result
+
+    def _is_new(self, identity: tuple[str, int, str]) -> bool:
+        return identity not in self.state.ledger and identity not in self._pending
+
+    def _staleness(self, base_outer_step: int) -> int:
+        """Outer steps taken since the delta's base (before this round's step); -1 if the base is unknown."""
+        return max(0, self.state.outer_step - base_outer_step) if base_outer_step >= 0 else -1
+
+    def _take_round(self, flush: bool) -> list[tuple[Candidate, dict[str, torch.Tensor]]]:
+        """The deltas of this round: every pending one once the quorum is met (or on `flush`), else none."""
+        quorum = max(1, self.min_deltas_per_round)
+        if not self._pending or (len(self._pending) < quorum and not flush):
+            if self._pending:
+                log.info("master: %d delta(s) pending, waiting for %d (min_deltas_per_round)",
+                         len(self._pending), quorum)  # fmt: skip
+            return []
+        valid = list(self._pending.values())
+        self._pending.clear()
+        return valid
+
+    @property
+    def pending(self) -> int:
+        """Validated deltas waiting for the quorum (`min_deltas_per_round`)."""
+        return len(self._pending)
 
     def _list_deltas(self, revision: str) -> list:
         out = []
@@ -594,10 +628,12 @@ class OuterLoop:
         while time.monotonic() - self._last_new_delta < self._drain_seconds:  # draining late deltas
             time.sleep(self.poll_interval)
             self._round()
+        if self._pending:  # below the quorum at the end: apply them rather than lose them
+            self._round(flush=True)
 
-    def _round(self) -> None:
+    def _round(self, flush: bool = False) -> None:
         try:
-            self.run_once()
+            self.run_once(flush)
         except Exception as err:  # never let the outer loop die: log, count, try again next poll
             self.errors += 1
             log.exception(
