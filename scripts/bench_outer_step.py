@@ -33,6 +33,7 @@ ONE worker. Seconds scale linearly with the parameter count; the ratio to the fl
 from __future__ import annotations
 
 import gc
+import statistics
 import sys
 import threading
 import time
@@ -176,12 +177,20 @@ def run_round(workers, start: threading.Barrier) -> float:
     return max(t1) - min(t0)
 
 
-def bench_impl(impl: str, shapes, w: int, dtype: str, args) -> tuple[dict, list]:
+def bench_impl(impl: str, shapes, w: int, dtype: str, args) -> tuple[dict, list, list[float]]:
+    """Seconds of the outer steps, the workers, and the copy bandwidth sampled right before each
+    timed step (so floor and step see the same load on a shared machine)."""
     group = comm.InProcessGroup(w, timeout_seconds=600)
     workers = [IMPLS[impl](shapes, group.member(r), dtype) for r in range(w)]
     start = threading.Barrier(w)
-    times = [run_round(workers, start) for _ in range(args.warmup + args.repeats)][args.warmup :]
-    return bc.summarize(times), workers
+    times, bandwidth = [], []
+    for i in range(args.warmup + args.repeats):
+        bw = bc.copy_bandwidth(nbytes=(32 if args.tiny else 512) * 2**20, repeats=3)["gb_per_s"]
+        t = run_round(workers, start)
+        if i >= args.warmup:
+            times.append(t)
+            bandwidth.append(bw)
+    return bc.summarize(times), workers, bandwidth
 
 
 def phase_timers(worker: ProjectWorker) -> dict[str, float]:
@@ -270,13 +279,13 @@ def floor_bytes(n: int, w: int, dtype: str) -> dict[str, int]:
 
 def bench_shape(label: str, shapes, w: int, dtype: str, impls: list[str], args) -> tuple[list[dict], dict]:
     n = sum(torch.Size(s).numel() for _, s in shapes)
-    bw = bc.copy_bandwidth(nbytes=(32 if args.tiny else 512) * 2**20, repeats=5)
     floors = floor_bytes(n, w, dtype)
-    floor_s = sum(floors.values()) / (bw["gb_per_s"] * bc.GB)
-    rows, detail = [], {"shape": label, "params": n, "workers": w, "dtype": dtype, "bandwidth": bw}
+    rows, detail = [], {"shape": label, "params": n, "workers": w, "dtype": dtype, "bandwidth": {}}
     detail["floor_bytes"] = floors
     for impl in impls:
-        m, workers = bench_impl(impl, shapes, w, dtype, args)
+        m, workers, bw = bench_impl(impl, shapes, w, dtype, args)
+        detail["bandwidth"][impl] = bw
+        floor_s = sum(floors.values()) / (statistics.median(bw) * bc.GB)
         if impl == "project" and not args.no_profile:
             detail["profile_ops"], detail["profile_phases"] = profile_project(workers)
         rows.append(
@@ -296,7 +305,7 @@ def bench_shape(label: str, shapes, w: int, dtype: str, impls: list[str], args) 
         detail[impl] = m
         del workers
         gc.collect()
-    detail["copy_bandwidth_gb_s"] = bw["gb_per_s"]
+    detail["copy_bandwidth_gb_s"] = statistics.median(b for v in detail["bandwidth"].values() for b in v)
     return rows, detail
 
 
@@ -359,7 +368,8 @@ def main(argv=None) -> int:
         ]
         tables[f"Floor: {d['shape']} {d['dtype']} W={d['workers']}, bytes by phase"] = (floor_rows, None)
     notes = [
-        "Copy bandwidth (dst.copy_(src) of 512 MB, read + written bytes per second), measured before each shape: "
+        "Copy bandwidth (dst.copy_(src) of 512 MB, read + written bytes per second), sampled right before every "
+        "timed outer step; each row's floor uses the median of its own samples. Medians: "
         + ", ".join(f"{d['shape']}: {d['copy_bandwidth_gb_s']:.1f} GB/s" for d in details),
         f"W={args.workers} workers are threads of one process sharing this machine's cores and memory bus, so "
         "the floor counts every worker's bytes; the averaging uses diloco.comm.InProcessCollective.",
