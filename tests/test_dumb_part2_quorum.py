@@ -114,3 +114,87 @@ def test_staleness_is_recorded_for_every_delta(tmp_path):
     st = {(e.node_id, e.local_step): (e.status, e.staleness) for e in loop.state.ledger.entries()}
     assert st == {("a", 5): ("applied", 0), ("a", 10): ("applied", 0), ("b", 5): ("applied", 1),
                   ("c", 5): ("rejected", 1)}  # fmt: skip
+
+
+# ------------------------------------------------------------------ staleness weighting
+
+
+def test_staleness_weighting_against_a_hand_computed_update(tmp_path):
+    state = MasterState.from_model_state(Tiny().state_dict(), outer_step=2)
+    loop, repo = make_loop(tmp_path, state, staleness_weighting=True)
+    put_delta(repo, "fresh", 5, g(1.0), base=2)  # staleness 0: raw weight 1
+    put_delta(repo, "stale", 5, g(4.0), base=0)  # staleness 2: raw weight 1/3
+    loop.run_once()
+    mean = (1.0 * 1.0 + 4.0 / 3) / (1.0 + 1 / 3)  # = 0.75 * 1 + 0.25 * 4 = 1.75
+    assert mean == pytest.approx(1.75)
+    assert torch.allclose(loop.state.weights["w"], W0 - LR * (mean + MU * mean), atol=1e-6)
+    st = {e.node_id: e.staleness for e in loop.state.ledger.entries()}
+    assert st == {"fresh": 0, "stale": 2}
+
+
+def test_without_staleness_weighting_stale_deltas_weigh_the_same(tmp_path):
+    state = MasterState.from_model_state(Tiny().state_dict(), outer_step=2)
+    loop, repo = make_loop(tmp_path, state)
+    put_delta(repo, "fresh", 5, g(1.0), base=2)
+    put_delta(repo, "stale", 5, g(4.0), base=0)
+    loop.run_once()
+    assert torch.allclose(loop.state.weights["w"], W0 - LR * (2.5 + MU * 2.5), atol=1e-6)
+
+
+# ------------------------------------------------------------------ delayed Nesterov
+
+
+def test_delayed_nesterov_against_a_hand_computed_update(tmp_path):
+    loop, repo = make_loop(tmp_path, delayed_nesterov_period=2)
+    grads = (1.0, -0.5, 2.0)
+    for i, v in enumerate(grads):
+        put_delta(repo, "a", i + 1, g(v))
+        loop.run_once()
+    # step 1: k=1 < 2, plain SGD on the delta; the buffer is untouched
+    w1 = W0 - LR * 1.0
+    # step 2: k=2, m <- mu*0 + (1.0 - 0.5)/2, Nesterov with the refreshed buffer
+    m = 0.0 * MU + (1.0 + -0.5) / 2
+    w2 = w1 - LR * (-0.5 + MU * m)
+    # step 3: k=1 again, plain SGD; m unchanged, the delta waits in the accumulator
+    w3 = w2 - LR * 2.0
+    assert torch.allclose(loop.state.weights["w"], w3, atol=1e-6)
+    assert torch.allclose(loop.state.momentum["w"], torch.full((2, 2), m))
+    assert loop.state.delayed_count == 1 and torch.equal(loop.state.delayed["w"], torch.full((2, 2), 2.0))
+    # the accumulator survives a save/load and a trainer checkpoint
+    loop.save_state()
+    for again in (
+        MasterState.load(tmp_path / "state"),
+        MasterState.from_checkpoint(loop.state.to_checkpoint()),
+    ):
+        assert again.delayed_count == 1 and torch.equal(again.delayed["w"], loop.state.delayed["w"])
+
+
+def test_delayed_nesterov_with_period_1_is_torch_nesterov(tmp_path):
+    loop, repo = make_loop(tmp_path, delayed_nesterov_period=1)
+    p = W0.clone()
+    opt = torch.optim.SGD([p], lr=LR, momentum=MU, nesterov=True)
+    for i, v in enumerate((1.0, -0.5, 2.0)):
+        put_delta(repo, "a", i + 1, g(v))
+        loop.run_once()
+        p.grad = torch.full((2, 2), v)
+        opt.step()
+    assert torch.allclose(loop.state.weights["w"], p, atol=1e-6)
+
+
+def test_config_switches_reach_the_outer_loop(tmp_path):
+    s = settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05, staleness_weighting=True,
+                 delayed_nesterov=True, delayed_nesterov_period=3, min_deltas_per_round=2)  # fmt: skip
+    coord = Coordinator(Tiny(), s, DirectoryTransport(tmp_path / "repo"))
+    coord.start()
+    try:
+        o = coord.outer
+        assert (o.staleness_weighting, o.delayed_nesterov_period, o.min_deltas_per_round) == (True, 3, 2)
+    finally:
+        coord.close()
+    off = Coordinator(Tiny(), settings(tmp_path / "r2", role="master", node_id="m", delayed_nesterov_period=3),
+                      DirectoryTransport(tmp_path / "r2"))  # fmt: skip
+    off.start()
+    try:
+        assert off.outer.delayed_nesterov_period == 0 and not off.outer.staleness_weighting  # the spec's
+    finally:
+        off.close()

@@ -118,6 +118,9 @@ class Settings:
     publish_hf_config: bool = True
     # past the specification (docs/dumb_diloco.md "Past the specification"); defaults = the spec's behaviour
     min_deltas_per_round: int = 0
+    staleness_weighting: bool = False
+    delayed_nesterov: bool = False
+    delayed_nesterov_period: int = 4
 
     @classmethod
     def from_config(cls, dcfg: Any) -> Settings:
@@ -175,6 +178,9 @@ class Settings:
             retry=retry,
             publish_hf_config=get("publish_hf_config", True),
             min_deltas_per_round=get("min_deltas_per_round", 0),
+            staleness_weighting=get("staleness_weighting", False),
+            delayed_nesterov=get("delayed_nesterov", False),
+            delayed_nesterov_period=get("delayed_nesterov_period", 4),
         )
         s._check()
         if token is not None and role != "single":
@@ -206,9 +212,11 @@ class Settings:
         number("drain_seconds", 0, strict=False)
         number("request_timeout", 0)
         number("min_deltas_per_round", 0, strict=False, integer=True)
+        number("delayed_nesterov_period", 1, strict=False, integer=True)
         if self.max_file_bytes is not None:
             number("max_file_bytes", 0, integer=True)
-        for key in ("reset_inner_optimizer", "async_delta_upload", "async_global_poll", "publish_hf_config"):
+        for key in ("reset_inner_optimizer", "async_delta_upload", "async_global_poll", "publish_hf_config",
+                    "staleness_weighting", "delayed_nesterov"):  # fmt: skip
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"distributed.{key} must be true or false, got {getattr(self, key)!r}")
         if not self.state_dir:
@@ -546,6 +554,8 @@ class Coordinator:
             on_snapshot=self._stage,
             hf_config=self.hf_config,
             min_deltas_per_round=self.s.min_deltas_per_round,
+            staleness_weighting=self.s.staleness_weighting,
+            delayed_nesterov_period=self.s.delayed_nesterov_period if self.s.delayed_nesterov else 0,
         )
         if repo is not None and chosen is None:
             n = self.outer.mark_existing_as_processed()

@@ -181,6 +181,9 @@ class MasterState:
     dtypes: dict[str, torch.dtype]
     momentum: dict[str, torch.Tensor] = field(default_factory=dict)  # outer Nesterov buffers (float32)
     ledger: Ledger = field(default_factory=Ledger)
+    # delayed Nesterov (past the spec): pseudo-gradients summed since the last momentum update, and how many
+    delayed: dict[str, torch.Tensor] = field(default_factory=dict)
+    delayed_count: int = 0
 
     @classmethod
     def from_model_state(cls, state: dict[str, torch.Tensor], outer_step: int = 0) -> MasterState:
@@ -207,6 +210,8 @@ class MasterState:
             "dtypes": {k: str(d) for k, d in self.dtypes.items()},
             "momentum": {k: t.clone() for k, t in self.momentum.items()},
             "ledger": self.ledger.to_json(),
+            "delayed": {k: t.clone() for k, t in self.delayed.items()},
+            "delayed_count": self.delayed_count,
         }
 
     @classmethod
@@ -217,6 +222,8 @@ class MasterState:
             dtypes={k: _dtype_from_name(v) for k, v in d["dtypes"].items()},
             momentum=dict(d["momentum"]),
             ledger=Ledger.from_json(d["ledger"]),
+            delayed=dict(d.get("delayed", {})),
+            delayed_count=int(d.get("delayed_count", 0)),
         )
 
     # ---- state_dir: <dir>/master_state.json names <dir>/master_state.<outer_step>.safetensors
@@ -227,6 +234,7 @@ class MasterState:
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {f"weights/{k}": t for k, t in self.weights.items()}
         tensors |= {f"momentum/{k}": t for k, t in self.momentum.items()}
+        tensors |= {f"delayed/{k}": t for k, t in self.delayed.items()}
         blob = encode(tensors, {"kind": "dumb_diloco_master_state", "outer_step": str(self.outer_step)})
         name = f"master_state.{self.outer_step:08d}.safetensors"
         _write_atomic(directory / name, blob)
@@ -237,6 +245,7 @@ class MasterState:
             "tensors_sha256": hashlib.sha256(blob).hexdigest(),
             "dtypes": {k: str(d) for k, d in self.dtypes.items()},
             "ledger": self.ledger.to_json(),
+            "delayed_count": self.delayed_count,
             "saved_at": utc_now(),
         }
         _write_atomic(directory / "master_state.json", json.dumps(meta, indent=1).encode())
@@ -259,12 +268,15 @@ class MasterState:
         tensors, _ = decode(blob, max_bytes=len(blob), require_finite=False)
         weights = {k.removeprefix("weights/"): t for k, t in tensors.items() if k.startswith("weights/")}
         momentum = {k.removeprefix("momentum/"): t for k, t in tensors.items() if k.startswith("momentum/")}
+        delayed = {k.removeprefix("delayed/"): t for k, t in tensors.items() if k.startswith("delayed/")}
         return cls(
             outer_step=int(meta["outer_step"]),
             weights=weights,
             dtypes={k: _dtype_from_name(v) for k, v in meta["dtypes"].items()},
             momentum=momentum,
             ledger=Ledger.from_json(meta["ledger"]),
+            delayed=delayed,
+            delayed_count=int(meta.get("delayed_count", 0)),
         )
 
 
@@ -295,6 +307,37 @@ def nesterov_outer_step(
         if momentum > 0:
             state.momentum[n] = opt.state[p]["momentum_buffer"]
         p.grad = None
+
+
+def delayed_nesterov_outer_step(
+    state: MasterState, pseudo_grad: dict[str, torch.Tensor], lr: float, momentum: float, period: int
+) -> None:
+    """Step 6 with delayed Nesterov (past the spec; Asynchronous Local-SGD, arXiv 2401.09135): the
+    momentum buffer changes only every `period`-th outer step, from the mean of the pseudo-gradients
+    since its last change; in between each step is plain SGD on its own pseudo-gradient g:
+
+        every step:          a <- a + g,  k <- k + 1
+        k < period:          theta <- theta - lr * g
+        k == period:         m <- mu * m + a / period;  theta <- theta - lr * (g + mu * m);  a <- 0, k <- 0
+
+    With period 1 this is exactly `nesterov_outer_step` (torch's SGD, nesterov=True)."""
+    state.delayed_count += 1
+    for n, g in pseudo_grad.items():
+        if n in state.delayed:
+            state.delayed[n].add_(g)
+        else:
+            state.delayed[n] = g.clone()
+    if state.delayed_count < period:
+        for n, g in pseudo_grad.items():
+            state.weights[n].sub_(g, alpha=lr)
+        return
+    for n, g in pseudo_grad.items():
+        m = state.momentum.get(n)
+        m = torch.zeros_like(g) if m is None else m
+        state.momentum[n] = m.mul_(momentum).add_(state.delayed[n], alpha=1.0 / period)
+        state.weights[n].sub_(g + momentum * m, alpha=lr)
+    state.delayed.clear()
+    state.delayed_count = 0
 
 
 # --------------------------------------------------------------------------- the outer loop
@@ -348,6 +391,8 @@ class OuterLoop:
         on_snapshot: Callable[[GlobalSnapshot], None] = lambda snapshot: None,
         hf_config: dict | None = None,
         min_deltas_per_round: int = 0,
+        staleness_weighting: bool = False,
+        delayed_nesterov_period: int = 0,
     ):
         self.transport, self.state = transport, state
         self.node_id = node_id
@@ -359,6 +404,10 @@ class OuterLoop:
         # quorum (past the spec): keep validated deltas pending until this many are there (0: the spec, >= 1)
         self.min_deltas_per_round = min_deltas_per_round
         self._pending: dict[tuple[str, int, str], tuple[Candidate, dict[str, torch.Tensor]]] = {}
+        self.staleness_weighting = staleness_weighting  # weight 1/(1+staleness), normalised (False: equal)
+        self.delayed_nesterov_period = (
+            delayed_nesterov_period  # 0: torch's Nesterov SGD every step (the spec)
+        )
         self._delta_layout = delta_layout(state.published())
         self.lock = threading.Lock()  # guards `state` against checkpointing from the training thread
         self._ignored_nodes: set[str] = set()
@@ -424,11 +473,11 @@ class OuterLoop:
                 self.state.ledger.add(entry)
             self.deltas_rejected += len(result.rejected)
             if valid:
-                mean = _average([t for _, t in valid])  # 5
+                mean = _average([t for _, t in valid], self._weights(valid))  # 5
                 result.pseudo_grad_norm = math.sqrt(
                     sum(float(g.double().square().sum()) for g in mean.values())
                 )
-                nesterov_outer_step(self.state, mean, self.outer_lr, self.outer_momentum)  # 6
+                self._outer_step(mean)  # 6
                 for c, _ in valid:
                     assert c.meta is not None
                     base = c.meta.base_outer_step
@@ -457,6 +506,22 @@ class OuterLoop:
                 result.pseudo_grad_norm, len(result.rejected), result.seconds,
             )  # fmt: skip
         return result
+
+    def _weights(self, valid: list[tuple[Candidate, dict[str, torch.Tensor]]]) -> list[float] | None:
+        """Step 5's weights: None (equal, the spec) or 1/(1+staleness) normalised to sum 1."""
+        if not self.staleness_weighting:
+            return None
+        raw = [
+            1.0 / (1 + max(0, self._staleness(c.meta.base_outer_step if c.meta else -1))) for c, _ in valid
+        ]
+        return [w / sum(raw) for w in raw]
+
+    def _outer_step(self, mean: dict[str, torch.Tensor]) -> None:
+        if self.delayed_nesterov_period > 0:
+            delayed_nesterov_outer_step(self.state, mean, self.outer_lr, self.outer_momentum,
+                                        self.delayed_nesterov_period)  # fmt: skip
+        else:
+            nesterov_outer_step(self.state, mean, self.outer_lr, self.outer_momentum)
 
     def _is_new(self, identity: tuple[str, int, str]) -> bool:
         return identity not in self.state.ledger and identity not in self._pending
@@ -652,8 +717,16 @@ class OuterLoop:
         return not self._thread.is_alive()
 
 
-def _average(deltas: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Equal-weight mean, accumulated in float32 in a fixed order (deterministic)."""
+def _average(
+    deltas: list[dict[str, torch.Tensor]], weights: list[float] | None = None
+) -> dict[str, torch.Tensor]:
+    """Equal-weight mean (or the `weights`-weighted sum), accumulated in float32 in a fixed order."""
+    if weights is not None:
+        out = {k: t * weights[0] for k, t in deltas[0].items()}
+        for d, w in zip(deltas[1:], weights[1:]):
+            for k, t in d.items():
+                out[k].add_(t, alpha=w)
+        return out
     out = {k: t.clone() for k, t in deltas[0].items()}
     for d in deltas[1:]:
         for k, t in d.items():
