@@ -354,12 +354,14 @@ def test_master_restart_resumes_its_state_and_does_not_reapply(tmp_path):
 
 
 def test_master_without_state_adopts_the_repository_and_skips_old_deltas(tmp_path):
-    coord = _master(tmp_path)
+    # without the published ledger (part 2's publish_master_state: false; with it the takeover is exact,
+    # tests/test_dumb_part2_master.py)
+    coord = _master(tmp_path, publish_master_state=False)
     coord.start()
     put_delta(coord.transport, "a", 3, g(1.0))
     coord.close()
     put_delta(coord.transport, "a", 6, g(1.0))  # arrived after the master stopped
-    new = _master(tmp_path, state_dir=str(tmp_path / "elsewhere"))  # the state directory was lost
+    new = _master(tmp_path, state_dir=str(tmp_path / "elsewhere"), publish_master_state=False)  # state lost
     new.start()
     new.close()
     assert new.outer.state.outer_step == 1  # adopted, and a@6 treated as already there (not re-applied)

@@ -49,7 +49,11 @@ from .master import (
     LedgerEntry,
     MasterState,
     OuterLoop,
+    PublishedState,
     delta_layout,
+    lease_holder,
+    load_published_state,
+    read_lease,
     state_layout,
 )
 from .tensor_format import (
@@ -121,6 +125,9 @@ class Settings:
     staleness_weighting: bool = False
     delayed_nesterov: bool = False
     delayed_nesterov_period: int = 4
+    publish_master_state: bool = True
+    keep_deltas: int = 0
+    lease_seconds: float = 300.0
 
     @classmethod
     def from_config(cls, dcfg: Any) -> Settings:
@@ -181,6 +188,9 @@ class Settings:
             staleness_weighting=get("staleness_weighting", False),
             delayed_nesterov=get("delayed_nesterov", False),
             delayed_nesterov_period=get("delayed_nesterov_period", 4),
+            publish_master_state=get("publish_master_state", True),
+            keep_deltas=get("keep_deltas", 0),
+            lease_seconds=get("lease_seconds", 300),
         )
         s._check()
         if token is not None and role != "single":
@@ -213,10 +223,12 @@ class Settings:
         number("request_timeout", 0)
         number("min_deltas_per_round", 0, strict=False, integer=True)
         number("delayed_nesterov_period", 1, strict=False, integer=True)
+        number("keep_deltas", 0, strict=False, integer=True)
+        number("lease_seconds", 0, strict=False)
         if self.max_file_bytes is not None:
             number("max_file_bytes", 0, integer=True)
         for key in ("reset_inner_optimizer", "async_delta_upload", "async_global_poll", "publish_hf_config",
-                    "staleness_weighting", "delayed_nesterov"):  # fmt: skip
+                    "staleness_weighting", "delayed_nesterov", "publish_master_state"):  # fmt: skip
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"distributed.{key} must be true or false, got {getattr(self, key)!r}")
         if not self.state_dir:
@@ -502,6 +514,7 @@ class Coordinator:
     def _start_master(self) -> None:
         """Pick the newest of (state_dir, trainer checkpoint, repository), publish if the repository is
         behind, and start the outer loop thread."""
+        self._check_lease()
         try:
             local = MasterState.load(self.state_dir)
         except (OSError, ValueError, InvalidTensorFile) as err:
@@ -530,6 +543,16 @@ class Coordinator:
             state.outer_step = max(state.outer_step, corrupt + 1)  # readers only install newer steps
         elif chosen is not None and chosen.outer_step >= repo.outer_step:
             state, publish = chosen, chosen.outer_step > repo.outer_step
+        elif (published := self._published_state(repo.outer_step)) is not None:
+            state, publish = MasterState.from_model_state(repo.state, repo.outer_step), False
+            state.ledger, state.momentum = published.ledger, published.momentum
+            state.delayed, state.delayed_count = published.delayed, published.delayed_count
+            log.warning(
+                "master: continuing from %s at outer step %d with its published ledger (%d entries) and momentum%s",
+                self.s.repo_id, repo.outer_step, len(state.ledger),
+                f" (local state was at outer step {chosen.outer_step})" if chosen is not None else "",
+            )  # fmt: skip
+            chosen = state  # exact: no delta of the repository is treated as preexisting
         else:
             state, publish = MasterState.from_model_state(repo.state, repo.outer_step), False
             if chosen is not None:
@@ -556,6 +579,9 @@ class Coordinator:
             min_deltas_per_round=self.s.min_deltas_per_round,
             staleness_weighting=self.s.staleness_weighting,
             delayed_nesterov_period=self.s.delayed_nesterov_period if self.s.delayed_nesterov else 0,
+            publish_state=self.s.publish_master_state,
+            keep_deltas=self.s.keep_deltas,
+            lease_seconds=self.s.lease_seconds,
         )
         if repo is not None and chosen is None:
             n = self.outer.mark_existing_as_processed()
@@ -569,6 +595,34 @@ class Coordinator:
         self.outer.save_state()
         self._stage(self.outer.snapshot())
         self.outer.start()
+
+    def _check_lease(self) -> None:
+        """Single-master lease (past the spec): refuse to start while another master's lease is fresh."""
+        if self.s.lease_seconds <= 0:
+            return
+        try:
+            other = lease_holder(self.transport, self.s.node_id, self.s.lease_seconds, time.time())
+            lease = read_lease(self.transport)
+        except TransportError as err:
+            raise DumbDiLoCoError(f"master {self.s.node_id}: cannot read {self.s.repo_id}: {err}") from None
+        if other is not None:
+            raise DumbDiLoCoError(
+                f"master {self.s.node_id}: {self.s.repo_id} is held by master {other[0]!r} (lease heartbeat "
+                f"{other[1]:.0f}s ago, lease_seconds {self.s.lease_seconds:g}); run one master per repository, "
+                "or start this one after that master stopped and its lease expired"
+            )
+        if lease is not None and lease.get("master") != self.s.node_id:
+            log.warning("master %s: taking over %s from master %r (its lease expired)", self.s.node_id,
+                        self.s.repo_id, lease.get("master"))  # fmt: skip
+
+    def _published_state(self, outer_step: int) -> PublishedState | None:
+        if not self.s.publish_master_state:
+            return None
+        try:
+            return load_published_state(self.transport, outer_step, self._last_step_info.get("global_sha256", ""),
+                                        self.max_file_bytes)  # fmt: skip
+        except TransportError as err:
+            raise DumbDiLoCoError(f"master {self.s.node_id}: cannot read {self.s.repo_id}: {err}") from None
 
     # ---------------------------------------------------------------- the seven steps
 

@@ -56,6 +56,11 @@ STATE_FORMAT = 1
 HF_CONFIG_PATH = "config.json"
 HF_INDEX_PATH = "model.safetensors.index.json"
 STEP_FILE_MAX_BYTES = 16 * 2**20
+# past the spec: published in the same transport write (one Hub commit) as the global weights
+GLOBAL_LEDGER_PATH = "global/ledger.json"  # the processed-delta ledger, outer step, global_sha256
+GLOBAL_MOMENTUM_PATH = "global/outer_momentum.safetensors"  # momentum (+ delayed-Nesterov accumulator)
+LEASE_PATH = "global/master_lease.json"  # single-master lease: master id + heartbeat time
+LEDGER_FILE_MAX_BYTES = 256 * 2**20
 
 
 def utc_now() -> str:
@@ -393,6 +398,10 @@ class OuterLoop:
         min_deltas_per_round: int = 0,
         staleness_weighting: bool = False,
         delayed_nesterov_period: int = 0,
+        publish_state: bool = True,
+        keep_deltas: int = 0,
+        lease_seconds: float = 0.0,
+        wall_clock: Callable[[], float] = time.time,
     ):
         self.transport, self.state = transport, state
         self.node_id = node_id
@@ -405,9 +414,13 @@ class OuterLoop:
         self.min_deltas_per_round = min_deltas_per_round
         self._pending: dict[tuple[str, int, str], tuple[Candidate, dict[str, torch.Tensor]]] = {}
         self.staleness_weighting = staleness_weighting  # weight 1/(1+staleness), normalised (False: equal)
-        self.delayed_nesterov_period = (
-            delayed_nesterov_period  # 0: torch's Nesterov SGD every step (the spec)
-        )
+        self.delayed_nesterov_period = delayed_nesterov_period  # 0: Nesterov SGD every step (the spec)
+        self.publish_state = publish_state  # ledger + momentum beside the global, in the same write
+        self.keep_deltas = keep_deltas  # GC: processed deltas kept per node (0: keep all, the spec)
+        self._processed_paths: dict[str, tuple[str, int]] = {}  # path -> (node, step): processed, in the repo
+        self.lease_seconds, self.wall_clock = lease_seconds, wall_clock  # 0: no lease (the spec)
+        self._last_lease_write = -math.inf
+        self.fenced = ""  # non-empty: another master holds the lease; this one no longer publishes
         self._delta_layout = delta_layout(state.published())
         self.lock = threading.Lock()  # guards `state` against checkpointing from the training thread
         self._ignored_nodes: set[str] = set()
@@ -453,6 +466,8 @@ class OuterLoop:
         revision = self.transport.revision()
         listed = self._list_deltas(revision)  # 1
         candidates = [self._candidate(f, revision) for f in listed]  # 2 (headers: the identities)
+        self._processed_paths = {c.path: (c.node_id, c.local_step) for c in candidates
+                                 if c is not None and c.identity in self.state.ledger}  # fmt: skip
         candidates = [c for c in candidates if c is not None and self._is_new(c.identity)]  # 3
         if candidates:
             self._last_new_delta = time.monotonic()
@@ -464,6 +479,7 @@ class OuterLoop:
                 entry = LedgerEntry(c.node_id, c.local_step, c.sha256, "rejected", self.state.outer_step,
                                     base, tensors, self._staleness(base))  # fmt: skip
                 result.rejected.append(entry)
+                self._processed_paths[c.path] = (c.node_id, c.local_step)
                 log.warning("master: rejected delta %s: %s", c.path, tensors)
             elif tensors is not None:
                 self._pending[c.identity] = (c, tensors)
@@ -491,6 +507,7 @@ class OuterLoop:
                 self.rounds += 1
                 self.last_num_peers = result.num_peers
                 self.last_pseudo_grad_norm = result.pseudo_grad_norm
+        self._processed_paths |= {c.path: (c.node_id, c.local_step) for c, _ in valid}
         if valid:
             result.published = self.publish(result.applied)  # 7 + 8
         if valid or result.rejected:
@@ -611,10 +628,19 @@ class OuterLoop:
     # ---- publication, state, notification
 
     def publish(self, applied: Iterable[LedgerEntry] = ()) -> bool:
-        """Steps 7 and 8 in one write: the full global weights and global/step_count.json."""
+        """Steps 7 and 8 in one write: the full global weights and global/step_count.json; past the spec,
+        in the same write, the ledger and outer momentum (`publish_state`), the lease, and the deletion
+        of processed deltas beyond `keep_deltas` per node (garbage collection)."""
+        if self.fenced:
+            log.error("master: not publishing: %s", self.fenced)
+            return False
         with self.lock:
             outer_step = self.state.outer_step
             weights = self.state.published()
+            ledger_rows = self.state.ledger.to_json() if self.publish_state else []
+            momentum = {f"momentum/{k}": t.clone() for k, t in self.state.momentum.items()}
+            momentum |= {f"delayed/{k}": t.clone() for k, t in self.state.delayed.items()}
+            delayed_count = self.state.delayed_count
         created = utc_now()
         blob = encode(weights, {"kind": "dumb_diloco_global", "outer_step": str(outer_step),
                                 "created_at": created, "master": self.node_id, "format": "pt"})  # fmt: skip
@@ -637,6 +663,20 @@ class OuterLoop:
             ],  # fmt: skip
         }
         files = {GLOBAL_WEIGHTS_PATH: blob, GLOBAL_STEP_PATH: json.dumps(step_info, indent=1).encode()}
+        if self.publish_state:
+            common = {
+                "outer_step": outer_step,
+                "global_sha256": step_info["global_sha256"],
+                "master": self.node_id,
+            }
+            ledger = common | {"format_version": "1", "entries": ledger_rows}
+            files[GLOBAL_LEDGER_PATH] = json.dumps(ledger, separators=(",", ":")).encode()
+            meta = {k: str(v) for k, v in common.items()} | {"kind": "dumb_diloco_outer_momentum",
+                                                              "delayed_count": str(delayed_count)}  # fmt: skip
+            files[GLOBAL_MOMENTUM_PATH] = encode(momentum, meta)
+        if self.lease_seconds > 0:
+            files[LEASE_PATH] = self._lease_blob()
+        delete = self._garbage()
         if self.hf_config is not None and not self._hf_config_written:
             files[HF_CONFIG_PATH] = json.dumps(self.hf_config, indent=2).encode()
             index = {
@@ -645,7 +685,13 @@ class OuterLoop:
             }
             files[HF_INDEX_PATH] = json.dumps(index, indent=1).encode()
         try:
-            self.transport.write(files, message=f"{self.node_id}: global outer step {outer_step}")
+            try:
+                self.transport.write(files, delete, message=f"{self.node_id}: global outer step {outer_step}")
+            except TransportError:
+                if not delete:
+                    raise
+                delete = []  # a delta to collect may be gone already (another master, a user): publish without GC
+                self.transport.write(files, message=f"{self.node_id}: global outer step {outer_step}")
         except TransportError as err:
             self._unpublished = True
             self.errors += 1
@@ -654,9 +700,57 @@ class OuterLoop:
             )
             return False
         self._unpublished = False
+        if LEASE_PATH in files:
+            self._last_lease_write = time.monotonic()
+        for path in delete:
+            self._processed_paths.pop(path, None)
+        if delete:
+            log.info(
+                "master: garbage-collected %d processed delta(s) (keep_deltas=%d)",
+                len(delete),
+                self.keep_deltas,
+            )
         self._hf_config_written = self._hf_config_written or HF_CONFIG_PATH in files
         self.bytes_uploaded += sum(len(b) for b in files.values())
         return True
+
+    def _garbage(self) -> list[str]:
+        """Processed deltas (in the ledger) beyond the `keep_deltas` most recent of each node."""
+        if self.keep_deltas <= 0:
+            return []
+        by_node: dict[str, list[tuple[int, str]]] = {}
+        for path, (node, step) in self._processed_paths.items():
+            by_node.setdefault(node, []).append((step, path))
+        out = []
+        for items in by_node.values():
+            out += [path for _, path in sorted(items, reverse=True)[self.keep_deltas :]]
+        return sorted(out)
+
+    # ---- the single-master lease (past the spec)
+
+    def _lease_blob(self) -> bytes:
+        lease = {"master": self.node_id, "heartbeat": self.wall_clock(), "lease_seconds": self.lease_seconds,
+                 "heartbeat_utc": utc_now(), "outer_step": self.state.outer_step}  # fmt: skip
+        return json.dumps(lease).encode()
+
+    def heartbeat(self) -> None:
+        """Renew the lease (a small write of its own) when no publication renewed it for lease_seconds/3;
+        stop publishing (fenced) if another master holds a fresh lease."""
+        if self.lease_seconds <= 0 or self.fenced:
+            return
+        if time.monotonic() - self._last_lease_write < self.lease_seconds / 3:
+            return
+        try:
+            other = lease_holder(self.transport, self.node_id, self.lease_seconds, self.wall_clock())
+            if other is not None:
+                self.fenced = (f"master {other[0]!r} holds the lease of this repository (heartbeat {other[1]:.0f}s "
+                               "ago); this master stops aggregating")  # fmt: skip
+                log.error("master %s: %s", self.node_id, self.fenced)
+                return
+            self.transport.write({LEASE_PATH: self._lease_blob()}, message=f"{self.node_id}: lease heartbeat")
+            self._last_lease_write = time.monotonic()
+        except TransportError as err:
+            log.warning("master: lease heartbeat failed (%s); will retry", err)
 
     def save_state(self) -> None:
         if self.state_dir is None:
@@ -697,7 +791,10 @@ class OuterLoop:
             self._round(flush=True)
 
     def _round(self, flush: bool = False) -> None:
+        if self.fenced:
+            return
         try:
+            self.heartbeat()
             self.run_once(flush)
         except Exception as err:  # never let the outer loop die: log, count, try again next poll
             self.errors += 1
@@ -734,3 +831,71 @@ def _average(
     for t in out.values():
         t.div_(len(deltas))
     return out
+
+
+# --------------------------------------------------------------------------- published state and lease (past the spec)
+
+
+def read_lease(transport: Transport) -> dict | None:
+    """The lease file (master id, heartbeat time), None if there is none or it is unreadable."""
+    try:
+        lease = json.loads(transport.read(LEASE_PATH, max_bytes=2**16))
+    except RemoteNotFound:
+        return None
+    except (ValueError, UnicodeDecodeError):
+        log.warning("master: %s is unreadable; treating the repository as unleased", LEASE_PATH)
+        return None
+    return lease if isinstance(lease, dict) else None
+
+
+def lease_holder(
+    transport: Transport, node_id: str, lease_seconds: float, now: float
+) -> tuple[str, float] | None:
+    """(other master, heartbeat age in s) if another master holds a fresh lease, else None."""
+    lease = read_lease(transport)
+    if lease is None or lease.get("master") == node_id:
+        return None
+    try:
+        age = now - float(lease.get("heartbeat", 0))
+        held_for = max(float(lease.get("lease_seconds") or 0), lease_seconds)
+    except (TypeError, ValueError):
+        return None
+    return (str(lease.get("master")), age) if age < held_for else None
+
+
+@dataclass
+class PublishedState:
+    ledger: Ledger
+    momentum: dict[str, torch.Tensor]
+    delayed: dict[str, torch.Tensor]
+    delayed_count: int
+
+
+def load_published_state(
+    transport: Transport, outer_step: int, global_sha256: str, max_file_bytes: int
+) -> PublishedState | None:
+    """The ledger and outer momentum published with global `outer_step` (both must name that step and
+    that global's SHA-256, i.e. come from the same publication); None if absent or not matching."""
+    try:
+        revision = transport.revision()
+        raw = transport.read(GLOBAL_LEDGER_PATH, revision, max_bytes=LEDGER_FILE_MAX_BYTES)
+        blob = transport.read(GLOBAL_MOMENTUM_PATH, revision, max_bytes=max_file_bytes)
+    except RemoteNotFound:
+        return None
+    try:
+        ledger = json.loads(raw)
+        tensors, meta = decode(blob, max_bytes=max_file_bytes)
+        for what, step, sha in ((GLOBAL_LEDGER_PATH, ledger.get("outer_step"), ledger.get("global_sha256")),
+                                (GLOBAL_MOMENTUM_PATH, meta.get("outer_step"), meta.get("global_sha256"))):  # fmt: skip
+            if str(step) != str(outer_step) or sha != global_sha256:
+                log.warning("master: %s is of another publication (outer step %s); not using it", what, step)
+                return None
+        return PublishedState(
+            Ledger.from_json(ledger["entries"]),
+            {k.removeprefix("momentum/"): t for k, t in tensors.items() if k.startswith("momentum/")},
+            {k.removeprefix("delayed/"): t for k, t in tensors.items() if k.startswith("delayed/")},
+            int(meta.get("delayed_count", "0")),
+        )
+    except (ValueError, KeyError, TypeError, InvalidTensorFile) as err:
+        log.warning("master: the published ledger/momentum is unreadable (%s); not using it", err)
+        return None
