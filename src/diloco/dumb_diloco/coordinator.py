@@ -589,6 +589,8 @@ class Coordinator:
                 "master: no local master state; adopted global outer step %d from %s and treat its %d existing "
                 "delta(s) as already processed", repo.outer_step, self.s.repo_id, n,
             )  # fmt: skip
+        if not publish:
+            self.outer.heartbeat()  # take the lease now (a publication carries it otherwise)
         if publish:
             self.outer.publish()
             log.info("master: published global outer step %d to %s", state.outer_step, self.s.repo_id)

@@ -1,0 +1,163 @@
+"""Past the specification, part 2: the master's published unit (global weights + step_count.json + ledger
++ outer momentum + lease, one write), exact takeover by a replacement master, garbage collection of
+processed deltas in the publication's write, and the single-master lease."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from dumb_helpers import Spy, Tiny, put_delta, settings
+
+from diloco.dumb_diloco.coordinator import Coordinator, DumbDiLoCoError
+from diloco.dumb_diloco.master import (
+    GLOBAL_LEDGER_PATH,
+    GLOBAL_MOMENTUM_PATH,
+    LEASE_PATH,
+    MasterState,
+    OuterLoop,
+)
+from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, decode, delta_path
+from diloco.dumb_diloco.transport import DirectoryTransport
+
+pytestmark = pytest.mark.usefixtures("no_network")
+
+
+def g(value: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((2, 2), value), "b": torch.full((2,), value)}
+
+
+def master(tmp_path, node_id="m", state_dir=None, spy=False, **kw) -> Coordinator:
+    s = settings(tmp_path / "repo", role="master", node_id=node_id, poll_interval=0.05,
+                 state_dir=str(state_dir or tmp_path / "state"), **kw)  # fmt: skip
+    transport = DirectoryTransport(tmp_path / "repo")
+    return Coordinator(Tiny(), s, Spy(transport) if spy else transport)
+
+
+def test_global_step_ledger_momentum_and_lease_are_one_write(tmp_path):
+    repo = Spy(DirectoryTransport(tmp_path / "repo"))
+    loop = OuterLoop(repo, MasterState.from_model_state(Tiny().state_dict()), node_id="m", outer_lr=0.7,
+                     outer_momentum=0.9, poll_interval=1, state_dir=None, max_file_bytes=2**20,
+                     lease_seconds=60)  # fmt: skip
+    put_delta(repo, "a", 3, g(1.0), base=0)
+    loop.run_once()
+    writes = [arg for op, arg, _ in repo.calls if op == "write" and GLOBAL_WEIGHTS_PATH in arg]
+    assert len(writes) == 1
+    assert set(writes[0].split(",")) == {GLOBAL_WEIGHTS_PATH, GLOBAL_STEP_PATH, GLOBAL_LEDGER_PATH,
+                                         GLOBAL_MOMENTUM_PATH, LEASE_PATH}  # fmt: skip
+    step = json.loads(repo.read(GLOBAL_STEP_PATH))
+    ledger = json.loads(repo.read(GLOBAL_LEDGER_PATH))
+    assert (
+        ledger["outer_step"] == step["outer_step"] == 1 and ledger["global_sha256"] == step["global_sha256"]
+    )
+    assert ledger["entries"] == loop.state.ledger.to_json() and ledger["entries"][0]["staleness"] == 0
+    tensors, meta = decode(repo.read(GLOBAL_MOMENTUM_PATH), max_bytes=2**20)
+    assert meta["global_sha256"] == step["global_sha256"]
+    assert torch.equal(tensors["momentum/w"], loop.state.momentum["w"])
+    assert json.loads(repo.read(LEASE_PATH))["master"] == "m"
+
+
+def test_replacement_master_continues_exactly_from_the_repository(tmp_path):
+    a = master(tmp_path, lease_seconds=0)
+    a.start()
+    put_delta(a.transport, "w1", 3, g(1.0))
+    while a.outer.state.outer_step < 1:
+        time.sleep(0.02)
+    put_delta(a.transport, "w1", 6, g(-0.5), base=1)
+    a.close()
+    before = MasterState.from_checkpoint(a.outer.state.to_checkpoint())
+    assert before.outer_step == 2
+    put_delta(a.transport, "w2", 3, g(2.0), base=0)  # arrived after the first master stopped
+    # the replacement: another machine (no state_dir), another node id
+    b = master(tmp_path, node_id="m2", state_dir=tmp_path / "other", lease_seconds=0)
+    b.start()
+    b.close()
+    st = b.outer.state
+    assert st.outer_step == 3  # w2@3 applied once; w1@3 and w1@6 not re-applied
+    assert [(e.node_id, e.local_step, e.status) for e in st.ledger.entries()] == [
+        ("w1", 3, "applied"), ("w1", 6, "applied"), ("w2", 3, "applied")]  # fmt: skip
+    # exactly what the first master would have done with w2@3 (weights and momentum carried over)
+    ref = OuterLoop(DirectoryTransport(tmp_path / "repo"), before, node_id="m", outer_lr=0.7, outer_momentum=0.9,
+                    poll_interval=1, state_dir=None, max_file_bytes=2**20, publish_state=False)  # fmt: skip
+    ref._pending.clear()
+    for e in before.ledger.entries():
+        assert e.status == "applied"
+    ref.run_once()
+    assert ref.state.outer_step == 3
+    for k in ("w", "b"):
+        assert torch.equal(st.weights[k], ref.state.weights[k]) and torch.equal(
+            st.momentum[k], ref.state.momentum[k]
+        )
+
+
+def test_processed_deltas_beyond_keep_deltas_are_deleted_in_the_publication(tmp_path):
+    repo = Spy(DirectoryTransport(tmp_path / "repo"))
+    loop = OuterLoop(repo, MasterState.from_model_state(Tiny().state_dict()), node_id="m", outer_lr=0.7,
+                     outer_momentum=0.9, poll_interval=1, state_dir=None, max_file_bytes=2**20,
+                     keep_deltas=1)  # fmt: skip
+    for step in (3, 6, 9):
+        put_delta(repo, "a", step, g(0.1))
+        put_delta(repo, "b", step, g(0.2))
+        loop.run_once()
+    put_delta(repo, "b", 12, {"w": torch.zeros(5)})  # rejected: processed too, so collected in turn
+    loop.run_once()  # no outer step: nothing published, nothing deleted
+    listed = {f.path for f in repo.list("nodes")}
+    assert listed == {delta_path("a", 9), delta_path("b", 9), delta_path("b", 12)}
+    n_writes = repo.count("write")
+    put_delta(repo, "a", 12, g(0.1))
+    loop.run_once()
+    assert repo.count("write") == n_writes + 2  # the delta's upload and ONE publication (with the deletions)
+    assert {f.path for f in repo.list("nodes")} == {delta_path("a", 12), delta_path("b", 12)}
+    assert len(loop.state.ledger) == 8  # the ledger keeps every collected delta
+
+
+def test_gc_never_blocks_a_publication(tmp_path):
+    repo = DirectoryTransport(tmp_path / "repo")
+    loop = OuterLoop(repo, MasterState.from_model_state(Tiny().state_dict()), node_id="m", outer_lr=0.7,
+                     outer_momentum=0.9, poll_interval=1, state_dir=None, max_file_bytes=2**20,
+                     keep_deltas=1)  # fmt: skip
+    put_delta(repo, "a", 3, g(0.1))
+    loop.run_once()
+    put_delta(repo, "a", 6, g(0.1))
+    repo.delete([delta_path("a", 3)])  # someone else deleted the delta the master will collect
+    loop._processed_paths[delta_path("a", 3)] = ("a", 3)
+    assert loop.run_once().published
+
+
+def test_second_master_refuses_while_the_lease_is_fresh_and_takes_over_after(tmp_path, caplog):
+    a = master(tmp_path, lease_seconds=1.0)
+    a.start()
+    b = master(tmp_path, node_id="m2", state_dir=tmp_path / "other", lease_seconds=1.0)
+    with pytest.raises(DumbDiLoCoError, match=r"held by master 'm'.*one master per repository"):
+        b.start()
+    a.close()
+    time.sleep(1.1)  # the lease expires
+    b = master(tmp_path, node_id="m2", state_dir=tmp_path / "other", lease_seconds=1.0)
+    b.start()
+    try:
+        assert "taking over" in caplog.text and json.loads(b.transport.read(LEASE_PATH))["master"] == "m2"
+    finally:
+        b.close()
+
+
+def test_a_master_whose_lease_was_taken_stops_publishing(tmp_path):
+    a = master(tmp_path, lease_seconds=0.3)
+    a.start()
+    a.outer.stop()  # a hangs (no heartbeats) long enough for its lease to expire
+    time.sleep(0.35)
+    b = master(tmp_path, node_id="m2", state_dir=tmp_path / "other", lease_seconds=0.3)
+    b.start()
+    a.outer._last_lease_write = -1e9
+    a.outer.heartbeat()  # a comes back: sees b's fresh lease and stands down
+    assert "m2" in a.outer.fenced and not a.outer.publish()
+    b.close()
+    a.close()
+
+
+def test_lease_config_keys():
+    from diloco.dumb_diloco.coordinator import Settings
+
+    s = Settings.from_config({"role": "master", "node_id": "m", "repo_id": "o/r"})
+    assert (s.lease_seconds, s.keep_deltas, s.publish_master_state) == (300, 0, True)
