@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from plan import PlanError, compose_experiment, describe, experiments, topology
+from plan import PlanError, compose_experiment, describe, experiments, num_parameters, topology
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {  # the order runs are started in
@@ -57,6 +57,17 @@ def family_runs(family: str) -> list[str]:
     return [e for e in FAMILIES[family] if e in known]
 
 
+def available_memory() -> int:
+    """Bytes of memory available now (Linux /proc/meminfo; unlimited elsewhere)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
 def dry_steps(name: str, out: Path) -> float:
     """Two real optimizer steps of the config's real model shape on CPU; returns seconds."""
     cfg = compose_experiment(name)
@@ -82,6 +93,17 @@ def dry_steps(name: str, out: Path) -> float:
         "wandb.mode=disabled",
     ]
     mode = cfg.distributed.mode
+    params = num_parameters(cfg.model)
+    need = params * (
+        16 if mode in ("none", "ddp") else 28
+    )  # fp32 weights+grads+AdamW (+ global copy, momentum, delta)
+    if mode not in ("none", "ddp") and need > 0.85 * available_memory():
+        print(
+            f"   {name}: weights + AdamW + the {mode} outer state need ~{need / 2**30:.0f} GiB, more than this "
+            "machine has free; the 2 steps run the same model and inner optimizer without the outer state"
+        )
+        overrides.append("distributed=none")
+        mode = "none"
     if mode == "diloco":  # one process stands for a whole worker; take an outer step at step 2
         overrides += ["distributed.ranks_per_worker=1", "distributed.inner_steps=2"]
     if mode == "dumb_diloco":  # a master alone on a throwaway directory repo, one boundary
