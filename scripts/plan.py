@@ -104,18 +104,25 @@ def shell_vars(name: str, overrides: list[str]) -> str:
     return "\n".join(f"{k}={shlex.quote(str(v))}" for k, v in out.items())
 
 
+def _si(x: float, unit: str) -> str:
+    for div, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= div:
+            return f"{x / div:,.2f} {prefix}{unit}"
+    return f"{x:,.0f} {unit}"
+
+
 def describe(name: str) -> str:
     cfg = compose_experiment(name)
     topo, vol = topology(cfg), volume(cfg, num_parameters(cfg.model))
     lines = [
         f"== {name}: {cfg.run_name}",
         f"   model {cfg.model.name} ({vol['parameters'] / 1e6:.1f}M params), data {cfg.data.name}, "
-        f"mode {topo['mode']}, {topo['nodes']} node(s) x {topo['gpus_per_node']} GPU(s), "
+        f"mode {topo['mode']}, {topo['nodes']} node(s) x {topo['gpus_per_node']} rank(s), "
         f"{topo['workers']} worker(s)",
         f"   {vol['steps']:,} steps x {cfg.train.batch_size} seq x {cfg.data.seq_len} tokens"
-        f" -> {vol['tokens'] / 1e9:.2f}B tokens in all",
-        f"   communication per worker: {vol['bytes_per_inner_step'] / 1e6:,.2f} MB per inner step, "
-        f"{vol['bytes_per_worker'] / 1e12:,.3f} TB over the run",
+        f" -> {_si(vol['tokens'], 'tokens')} in all",
+        f"   communication per worker: {_si(vol['bytes_per_inner_step'], 'B')} per inner step, "
+        f"{_si(vol['bytes_per_worker'], 'B')} over the run",
     ]
     if topo["mode"] == "dumb_diloco":
         lines.append(
