@@ -397,6 +397,7 @@ class Coordinator:
         self._poller: Lane | None = None
         self.outer: OuterLoop | None = None
         self._ckpt_master: MasterState | None = None
+        self._resume: dict | None = None  # a trainer checkpoint taken mid-inner-loop (past the spec)
         self._first_boundary_time: float | None = None
         self._budget_checked = False
         # metrics
@@ -485,6 +486,10 @@ class Coordinator:
     def start(self) -> None:
         """Called once the trainer has restored its checkpoint, before the first forward pass: every
         node starts (and restarts) from the latest global model."""
+        if self.closed:
+            raise DumbDiLoCoError(
+                f"node {self.s.node_id}: this coordinator was closed; it cannot be started again"
+            )
         if self.started:
             return
         self.connect()
@@ -494,7 +499,9 @@ class Coordinator:
             newer = self._safe_fetch()
             if newer is not None:
                 self._stage(newer)
-        if not self._install_staged():
+        if self._resume is not None:
+            self._resume_inner_loop()
+        elif not self._install_staged():
             raise DumbDiLoCoError(
                 f"node {self.s.node_id}: the global model cannot be installed into this model"
             )
@@ -630,6 +637,10 @@ class Coordinator:
 
     def on_step(self, local_step: int) -> StepResult:
         """Steps 2-7 for the optimizer step the trainer just finished (step 1)."""
+        if self.closed:
+            raise DumbDiLoCoError(
+                f"node {self.s.node_id}: this coordinator was closed; it cannot be started again"
+            )
         if not self.started:
             self.start()
         t0 = time.perf_counter()
@@ -942,10 +953,17 @@ class Coordinator:
     )  # fmt: skip
 
     def state_dict(self) -> dict:
-        """Counters, the installed outer step and (master) the full outer state. The baseline is not
-        saved: a restarted node begins from the latest global (no mid-inner-loop recovery)."""
+        """Counters, the installed outer step and (master) the full outer state; past the spec, the
+        baseline, the steps since it and a failed upload's carry, so that a node restarted from this
+        checkpoint continues its inner loop exactly (its next delta is the uninterrupted one)."""
         out: dict = {k: getattr(self, k) for k in self._COUNTERS}
         out["installed_outer_step"] = self.installed_outer_step
+        out["local_step"] = self.local_step
+        out["steps_since_capture"] = self._steps_since_capture
+        out["baseline"] = {k: t.clone() for k, t in self._baseline.items()}
+        if self._carry is not None:
+            out["carry"] = {"delta": {k: t.clone() for k, t in self._carry.delta.items()},
+                            "base_outer_step": self._carry.base_outer_step, "steps": self._carry.steps}  # fmt: skip
         if self.outer is not None:
             with self.outer.lock:
                 out["master"] = self.outer.state.to_checkpoint()
@@ -957,6 +975,32 @@ class Coordinator:
                 setattr(self, k, type(getattr(self, k))(state[k]))
         if "master" in state and self.s.is_master:
             self._ckpt_master = MasterState.from_checkpoint(state["master"])
+        if state.get("baseline"):
+            self._resume = state
+
+    def _resume_inner_loop(self) -> None:
+        """Continue the checkpoint's inner loop: the live model already holds the checkpoint's weights;
+        restore the baseline, its global version and the steps since it. A newer global stays staged and
+        is installed at the next boundary, after that boundary's delta captured the progress."""
+        r = self._resume
+        assert r is not None
+        baseline = r["baseline"]
+        expected = {k: self._global_layout[k] for k in self._delta_keys}
+        got = {k: (tuple(t.shape), t.dtype) for k, t in baseline.items()}
+        if got != expected:
+            raise DumbDiLoCoError(
+                f"node {self.s.node_id}: the checkpoint's DumbDiLoCo baseline is not of this model"
+            )
+        self._baseline = {k: t.detach().to("cpu", copy=True) for k, t in baseline.items()}
+        self.installed_outer_step = int(r["installed_outer_step"])
+        self.local_step = int(r.get("local_step", 0))
+        self._steps_since_capture = int(r.get("steps_since_capture", 0))
+        if r.get("carry"):
+            c = r["carry"]
+            self._carry = _Carry(dict(c["delta"]), int(c["base_outer_step"]), int(c["steps"]))
+        self._resume = None
+        log.info("node %s: resumed mid-inner-loop at local step %d (baseline of global outer step %d, %d step(s) "
+                 "since)", self.s.node_id, self.local_step, self.installed_outer_step, self._steps_since_capture)  # fmt: skip
 
     def close(self) -> None:
         """Bounded shutdown: wait for an in-flight upload and (master) a last outer round."""
