@@ -303,9 +303,9 @@ def test_collaborators_is_an_allowlist(tmp_path, caplog):
         put_delta(repo, node, 1, g(1.0))
     result = loop.run_once()
     assert sorted(e.node_id for e in result.applied) == ["a", "m"]  # the master's own deltas always
-    assert "intruder" in caplog.text and ("intruder", 1) not in {
-        (e.node_id, e.local_step) for e in loop.state.ledger.entries()
-    }
+    assert "intruder" in caplog.text and ("intruder", 1, "applied") not in {
+        (e.node_id, e.local_step, e.status) for e in loop.state.ledger.entries()
+    }  # part 2: recorded as rejected, under an identity without its hash (tests/test_dumb_part2_hostile.py)
 
 
 def test_close_runs_a_last_round_and_drains_late_deltas(tmp_path):

@@ -48,7 +48,7 @@ from .tensor_format import (
     parse_delta_path,
     parse_header,
 )
-from .transport import RemoteNotFound, Transport, TransportError
+from .transport import FileTooLarge, RemoteNotFound, Transport, TransportError
 
 log = logging.getLogger("diloco.dumb_diloco")
 
@@ -424,6 +424,7 @@ class OuterLoop:
         self._delta_layout = delta_layout(state.published())
         self.lock = threading.Lock()  # guards `state` against checkpointing from the training thread
         self._ignored_nodes: set[str] = set()
+        self._refused: list[tuple[str, int, str, str]] = []  # (node, step, tag, reason) from the last listing
         self._unpublished = False  # the last round's publication failed: retry before the next round
         self._hf_config_written = False
         self._thread: threading.Thread | None = None
@@ -472,6 +473,7 @@ class OuterLoop:
         if candidates:
             self._last_new_delta = time.monotonic()
         result = RoundResult(outer_step=self.state.outer_step)
+        self._reject_refused(result)
         for c in candidates:
             tensors = self._download_and_validate(c, revision)  # 2 (payload) + 4
             if isinstance(tensors, str):
@@ -565,21 +567,47 @@ class OuterLoop:
         return len(self._pending)
 
     def _list_deltas(self, revision: str) -> list:
-        out = []
+        """The delta files to consider; files refused from their path alone (past the spec: a node
+        outside `collaborators`, a path-unsafe node directory) go to `self._refused` for the ledger."""
+        out, self._refused = [], []
         for f in self.transport.list(NODES_DIR, revision):
             parsed = parse_delta_path(f.path)
             if parsed is None:
+                self._refuse_unsafe(f.path)
                 continue
             if self.allowed is not None and parsed[0] not in self.allowed:
                 if parsed[0] not in self._ignored_nodes:
                     self._ignored_nodes.add(parsed[0])
                     log.warning("master: ignoring deltas of %r: not in distributed.collaborators", parsed[0])
+                # identity without the payload hash: a later master with a wider list still takes the delta
+                self._refused.append((parsed[0], parsed[1], "not-a-collaborator",
+                                      "node is not in distributed.collaborators"))  # fmt: skip
                 continue
             out.append(f)
         return out
 
+    def _refuse_unsafe(self, path: str) -> None:
+        """nodes/<dir>/delta_<n>.safetensors whose <dir> is not a valid node id (e.g. '..', spaces)."""
+        parts = path.split("/")
+        if len(parts) < 3 or not parts[-1].startswith("delta_") or not parts[-1].endswith(".safetensors"):
+            return  # not shaped like a delta (a README, a stray file): ignored
+        step = parts[-1].removeprefix("delta_").removesuffix(".safetensors")
+        node = "/".join(parts[1:-1])
+        self._refused.append((node, int(step) if step.isdigit() else -1, f"unsafe-path:{path}",
+                              f"path-unsafe node directory {node!r} in {path}"))  # fmt: skip
+
+    def _reject_refused(self, result: RoundResult) -> None:
+        for node, step, tag, reason in self._refused:
+            if (node, step, tag) not in self.state.ledger:
+                entry = LedgerEntry(node, step, tag, "rejected", self.state.outer_step, reason=reason)
+                result.rejected.append(entry)
+                log.warning("master: rejected delta %s@%s: %s", node, step, reason)
+
     def _candidate(self, f, revision: str) -> Candidate | None:
         node_id, local_step = parse_delta_path(f.path)  # type: ignore[misc]
+        if f.size > self.max_file_bytes:  # refused from the listing: not even its header is read
+            return Candidate(f.path, node_id, local_step, f"oversized-{f.size}",
+                             reason=f"file is {f.size} bytes, over the cap of {self.max_file_bytes} (max_file_bytes)")  # fmt: skip
         try:
             header = self.transport.read_header(f.path, revision)
         except InvalidTensorFile as err:  # no readable header, so no hash: identify it by its size
@@ -611,6 +639,8 @@ class OuterLoop:
             return f"delta dtype is {c.meta.dtype}, expected float32"
         try:
             blob = self.transport.read(c.path, revision, max_bytes=self.max_file_bytes)
+        except FileTooLarge as err:
+            return f"{err} (max_file_bytes)"
         except RemoteNotFound:
             return None
         except TransportError as err:
