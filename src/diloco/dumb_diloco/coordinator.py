@@ -975,8 +975,9 @@ class Coordinator:
                 setattr(self, k, type(getattr(self, k))(state[k]))
         if "master" in state and self.s.is_master:
             self._ckpt_master = MasterState.from_checkpoint(state["master"])
-        if state.get("baseline"):
-            self._resume = state
+        if state.get("baseline") and (state.get("steps_since_capture") or state.get("carry")):
+            self._resume = state  # progress since the last boundary: continue that inner loop exactly
+        # else: at a boundary; starting from the newest global is what the uninterrupted node would do
 
     def _resume_inner_loop(self) -> None:
         """Continue the checkpoint's inner loop: the live model already holds the checkpoint's weights;
