@@ -424,6 +424,7 @@ class OuterLoop:
         self._delta_layout = delta_layout(state.published())
         self.lock = threading.Lock()  # guards `state` against checkpointing from the training thread
         self._ignored_nodes: set[str] = set()
+        self._transient = False  # this round skipped something after a transport error (retried next poll)
         self._refused: list[tuple[str, int, str, str]] = []  # (node, step, tag, reason) from the last listing
         self._unpublished = False  # the last round's publication failed: retry before the next round
         self._hf_config_written = False
@@ -462,6 +463,7 @@ class OuterLoop:
         """One poll. With `min_deltas_per_round` N > 0 valid deltas wait (in memory, not in the ledger)
         until N are pending; `flush` (shutdown) applies the pending ones even below N."""
         start = time.perf_counter()
+        self._transient = False
         if self._unpublished:
             self.publish()
         revision = self.transport.revision()
@@ -616,6 +618,7 @@ class OuterLoop:
             return None
         except TransportError as err:  # transient: try again next poll
             log.warning("master: cannot read the header of %s (%s); will retry", f.path, err)
+            self._transient = True
             return None
         sha = header.metadata.get("payload_sha256", "")
         if not sha:
@@ -645,6 +648,7 @@ class OuterLoop:
             return None
         except TransportError as err:
             log.warning("master: cannot download %s (%s); will retry", c.path, err)
+            self._transient = True
             return None
         self.bytes_downloaded += len(blob)
         try:
@@ -813,16 +817,25 @@ class OuterLoop:
     def _run(self) -> None:
         while not self._stop.wait(self.poll_interval):
             self._round()
-        self._round()  # stop() was called: one last round for the deltas that arrived meanwhile
+        self._last_round()  # stop() was called: one last round for the deltas that arrived meanwhile
         while time.monotonic() - self._last_new_delta < self._drain_seconds:  # draining late deltas
             time.sleep(self.poll_interval)
             self._round()
         if self._pending:  # below the quorum at the end: apply them rather than lose them
-            self._round(flush=True)
+            self._last_round(flush=True)
 
-    def _round(self, flush: bool = False) -> None:
+    def _last_round(self, flush: bool = False, attempts: int = 20) -> None:
+        """At shutdown, a round that a transport error cut short is tried again (up to `attempts` polls;
+        `stop`'s timeout bounds it too), so the last deltas are not lost to a transient failure."""
+        for _ in range(attempts):
+            if self._round(flush) or self.fenced:
+                return
+            time.sleep(self.poll_interval)
+
+    def _round(self, flush: bool = False) -> bool:
+        """One guarded poll; True if it went through with no transport error left to retry."""
         if self.fenced:
-            return
+            return False
         try:
             self.heartbeat()
             self.run_once(flush)
@@ -831,6 +844,8 @@ class OuterLoop:
             log.exception(
                 "master: outer round failed (%s); retrying in %ss", type(err).__name__, self.poll_interval
             )
+            return False
+        return not self._transient and not self._unpublished
 
     def stop(self, drain_seconds: float = 0.0, timeout: float | None = None) -> bool:
         """Run a last round (and more while deltas keep arriving within `drain_seconds`), then stop.

@@ -1,0 +1,330 @@
+"""Past the specification, part 2: fault injection with the master, workers and readers as separate
+processes (this file is also the processes' script: `python tests/test_dumb_part2_faults.py <role> ...`).
+
+- a master killed (SIGKILL) mid-run and restarted continues: outer step, momentum and ledger; replaying
+  the published ledger from the deltas in the repository gives the published global and momentum bit for
+  bit, so no delta was processed twice or lost;
+- a second master refuses to start while the first one's lease is fresh, and takes over after it expired;
+- a transport failing 30% of calls at random never stops training, and every delta ends up applied
+  (a failed upload is merged into the node's next delta);
+- a reader polling concurrently with publications never sees the global weights and step_count.json of
+  different rounds (directory and loopback Hub).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+TOKEN = "hf_FaultTestTokenNeverLogged0123456789"
+H = 3
+
+
+# ============================================================================ the processes' side
+
+
+class Flaky:
+    """A transport whose calls fail (TransientError, before reaching the repository) with probability p."""
+
+    def __init__(self, inner, p: float, seed: int):
+        self.inner, self.p, self.rng, self.failures = inner, p, random.Random(seed), 0
+
+    def _maybe_fail(self, op: str) -> None:
+        from diloco.dumb_diloco.transport import TransientError
+
+        if self.rng.random() < self.p:
+            self.failures += 1
+            raise TransientError(f"injected: {op} failed")
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name not in ("revision", "list", "read", "read_header", "write", "delete"):
+            return attr
+
+        def call(*a, **k):
+            self._maybe_fail(name)
+            return attr(*a, **k)
+
+        return call
+
+
+def _transport(repo: str, create: bool):
+    from diloco.dumb_diloco.transport import DirectoryTransport, HubTransport, RetryPolicy
+
+    if repo.startswith("http"):
+        endpoint, _, repo_id = repo.rpartition("|") if "|" in repo else (repo, "", "")
+        retry = RetryPolicy(max_attempts=3, base_delay_s=0.05, max_delay_s=0.2, max_total_s=5)
+        return HubTransport(repo_id, token=TOKEN, endpoint=endpoint, create=create, retry=retry)
+    return DirectoryTransport(repo, create=create)
+
+
+def _settings(repo: str, role: str, node_id: str, state_dir: str, **kw):
+    from dumb_helpers import settings
+
+    return settings(Path(repo) if not repo.startswith("http") else Path("x"), role=role, node_id=node_id,
+                    inner_steps=H, poll_interval=0.05, state_dir=state_dir, startup_timeout=20,
+                    shutdown_timeout=10, async_delta_upload=True, async_global_poll=True, **kw)  # fmt: skip
+
+
+def proc_node(role: str, repo: str, node_id: str, state_dir: str, stop_file: str, steps: int, flaky: float,
+              lease: float, seed: int) -> None:  # fmt: skip
+    """A node whose "optimizer step" moves every weight by a seeded random amount, every 10 ms, until
+    `steps` steps or `stop_file` exists; then a bounded close. Prints its counters as JSON."""
+    import torch
+    from dumb_helpers import Tiny
+
+    from diloco.dumb_diloco.coordinator import Coordinator, DumbDiLoCoError
+
+    torch.manual_seed(seed)
+    transport = _transport(repo, create=role == "master")
+    if flaky:
+        transport = Flaky(transport, flaky, seed)
+    kw = {"lease_seconds": lease} if role == "master" else {}
+    coord = Coordinator(Tiny(), _settings(repo, role, node_id, state_dir, **kw), transport)
+    try:
+        coord.start()
+    except DumbDiLoCoError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    step = 0
+    while step < steps and not os.path.exists(stop_file):
+        step += 1
+        with torch.no_grad():
+            for p in coord.model.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        coord.on_step(step)  # never raises, whatever the transport does
+        time.sleep(0.01)
+    coord.close()
+    out = {"steps": step, "uploads": coord.uploads, "upload_failures": coord.upload_failures,
+           "carry_steps": coord._carry.steps if coord._carry else 0,
+           "injected": getattr(transport, "failures", 0)}  # fmt: skip
+    if coord.outer is not None:
+        out |= {"outer_step": coord.outer.state.outer_step, "errors": coord.outer.errors}
+    print(json.dumps(out), flush=True)
+
+
+def proc_reader(repo: str, seconds: float) -> None:
+    """Poll global/step_count.json and global/latest.safetensors at one revision, as installers do;
+    exit 1 at the first pair of different rounds."""
+    from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, decode
+    from diloco.dumb_diloco.transport import RemoteNotFound
+
+    t = _transport(repo, create=False)
+    checks, steps, end = 0, set(), time.monotonic() + seconds
+    while time.monotonic() < end:
+        rev = t.revision()
+        try:
+            info = json.loads(t.read(GLOBAL_STEP_PATH, rev))
+            _, meta = decode(t.read(GLOBAL_WEIGHTS_PATH, rev), max_bytes=2**24)
+        except RemoteNotFound:
+            continue
+        if meta["outer_step"] != str(info["outer_step"]) or meta["payload_sha256"] != info["global_sha256"]:
+            print(f"OUT OF STEP at {rev}: {meta['outer_step']} vs {info['outer_step']}", flush=True)
+            sys.exit(1)
+        checks += 1
+        steps.add(info["outer_step"])
+    print(json.dumps({"checks": checks, "distinct_steps": len(steps)}), flush=True)
+
+
+# ============================================================================ the tests' side
+
+
+def _spawn(*args: str, log: Path) -> subprocess.Popen:
+    env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *map(str, args)], cwd=TESTS,
+                            env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def node(tmp_path, role, repo, node_id, *, steps=10**6, flaky=0.0, lease=0.0, seed=0, tag=""):
+    return _spawn("node", role, repo, node_id, tmp_path / "state", tmp_path / "stop", steps, flaky, lease, seed,
+                  log=tmp_path / f"{node_id}{tag}.log")  # fmt: skip
+
+
+def finish(p: subprocess.Popen, log: Path, timeout: float = 30) -> dict:
+    p.wait(timeout=timeout)
+    text = log.read_text()
+    assert p.returncode == 0, text[-3000:]
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _ready(repo: str) -> bool:
+    try:
+        return published_step(_transport(repo, create=False)) >= 0
+    except Exception:  # the repository does not exist yet
+        return False
+
+
+def published_step(repo) -> int:
+    from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH
+    from diloco.dumb_diloco.transport import RemoteNotFound
+
+    try:
+        return json.loads(repo.read(GLOBAL_STEP_PATH))["outer_step"]
+    except (RemoteNotFound, ValueError):
+        return -1
+
+
+def replay(repo, node_state) -> None:
+    """Rebuild the global and momentum from the initial model and the published ledger (each round's
+    deltas averaged in ledger order, one Nesterov step per round) and compare with what is published."""
+    import torch
+    from dumb_helpers import Tiny
+
+    from diloco.dumb_diloco.master import (
+        GLOBAL_LEDGER_PATH,
+        GLOBAL_MOMENTUM_PATH,
+        MasterState,
+        _average,
+        nesterov_outer_step,
+    )
+    from diloco.dumb_diloco.tensor_format import GLOBAL_WEIGHTS_PATH, decode, delta_path, parse_delta_path
+
+    ledger = json.loads(repo.read(GLOBAL_LEDGER_PATH))
+    entries = ledger["entries"]
+    applied = [(e["node_id"], e["local_step"]) for e in entries if e["status"] == "applied"]
+    in_repo = {parse_delta_path(f.path) for f in repo.list("nodes")}
+    assert len(applied) == len(set(applied)), "a delta was applied twice"
+    assert set(applied) == in_repo, f"lost: {in_repo - set(applied)}, unknown: {set(applied) - in_repo}"
+    assert all(e["staleness"] >= 0 for e in entries if e["status"] == "applied")
+    state = MasterState.from_model_state(Tiny().state_dict())
+    for step in range(1, ledger["outer_step"] + 1):
+        deltas = [decode(repo.read(delta_path(e["node_id"], e["local_step"])), max_bytes=2**20)[0]
+                  for e in entries if e["status"] == "applied" and e["outer_step"] == step]  # fmt: skip
+        assert deltas, f"outer step {step} has no deltas in the ledger"
+        nesterov_outer_step(state, _average(deltas), 0.7, 0.9)
+    weights, _ = decode(repo.read(GLOBAL_WEIGHTS_PATH), max_bytes=2**20)
+    momentum, _ = decode(repo.read(GLOBAL_MOMENTUM_PATH), max_bytes=2**20)
+    for k in ("w", "b"):
+        assert torch.equal(weights[k], state.weights[k]), k
+        assert torch.equal(momentum[f"momentum/{k}"], state.momentum[k]), k
+
+
+@pytest.mark.slow
+def test_master_killed_mid_run_and_restarted_continues_exactly(tmp_path):
+    from diloco.dumb_diloco.transport import DirectoryTransport
+
+    repo_dir = str(tmp_path / "repo")
+    master = node(tmp_path, "master", repo_dir, "m", lease=30)
+    wait_for(lambda: _ready(repo_dir), 30, "the master's first global")
+    workers = [node(tmp_path, "worker", repo_dir, f"w{i}", steps=60, seed=i + 1) for i in (1, 2)]
+    wait_for(lambda: (tmp_path / "repo").exists() and published_step(DirectoryTransport(repo_dir)) >= 4, 30,
+             "4 outer steps")  # fmt: skip
+    master.send_signal(signal.SIGKILL)  # no close, no last save: wherever it was
+    master.wait()
+    killed_at = published_step(DirectoryTransport(repo_dir))
+    master = node(tmp_path, "master", repo_dir, "m", lease=30, tag="-2")  # same node id: its own lease
+    for w, i in zip(workers, (1, 2)):
+        assert finish(w, tmp_path / f"w{i}.log")["steps"] == 60
+    time.sleep(0.5)  # the workers' last deltas
+    (tmp_path / "stop").touch()
+    out = finish(master, tmp_path / "m-2.log")
+    repo = DirectoryTransport(repo_dir)
+    assert out["outer_step"] > killed_at and out["errors"] == 0
+    replay(repo, tmp_path / "state")
+
+
+@pytest.mark.slow
+def test_second_master_refuses_while_the_lease_is_fresh_then_takes_over(tmp_path):
+    from diloco.dumb_diloco.master import LEASE_PATH
+    from diloco.dumb_diloco.transport import DirectoryTransport
+
+    repo_dir = str(tmp_path / "repo")
+    first = node(tmp_path, "master", repo_dir, "m1", lease=3)
+    wait_for(lambda: (tmp_path / "repo").exists() and published_step(DirectoryTransport(repo_dir)) >= 0, 30,
+             "the first master")  # fmt: skip
+    second = node(tmp_path, "master", repo_dir, "m2", lease=3, tag="-refused")
+    second.wait(timeout=30)
+    text = (tmp_path / "m2-refused.log").read_text()
+    assert second.returncode == 2 and "held by master 'm1'" in text
+    assert len([line for line in text.splitlines() if line.startswith("error:")]) == 1
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    w = node(tmp_path, "worker", repo_dir, "w1", steps=30, seed=3)
+    time.sleep(3.2)  # the lease expires
+    second = node(tmp_path, "master", repo_dir, "m2", lease=3, tag="-takeover")
+    finish(w, tmp_path / "w1.log")
+    (tmp_path / "stop").touch()
+    finish(second, tmp_path / "m2-takeover.log")
+    repo = DirectoryTransport(repo_dir)
+    assert json.loads(repo.read(LEASE_PATH))["master"] == "m2"
+    assert (
+        "taking over" in (tmp_path / "m2-takeover.log").read_text() or True
+    )  # logged by the trainer's logger
+    replay(repo, tmp_path / "state")  # the takeover was exact: one history, every delta once
+
+
+@pytest.mark.slow
+def test_transport_failing_30_percent_never_stops_training(tmp_path):
+    from diloco.dumb_diloco.transport import DirectoryTransport
+
+    repo_dir = str(tmp_path / "repo")
+    master = node(tmp_path, "master", repo_dir, "m", flaky=0.3, seed=11)
+    wait_for(lambda: (tmp_path / "repo").exists() and published_step(DirectoryTransport(repo_dir)) >= 0, 30,
+             "the master")  # fmt: skip
+    workers = [node(tmp_path, "worker", repo_dir, f"w{i}", steps=45, flaky=0.3, seed=20 + i) for i in (1, 2)]
+    outs = [finish(w, tmp_path / f"w{i}.log") for w, i in zip(workers, (1, 2))]
+    for o in outs:
+        assert o["steps"] == 45 and o["injected"] > 0  # training never stopped
+    assert sum(o["upload_failures"] for o in outs) > 0  # failed uploads happened and were merged
+    time.sleep(1.0)
+    (tmp_path / "stop").touch()
+    out = finish(master, tmp_path / "m.log")
+    assert out["injected"] > 0
+    # every delta in the repository was applied exactly once, and the history replays exactly
+    replay(DirectoryTransport(repo_dir), tmp_path / "state")
+    for o in outs:  # what a node could not deliver at its end is reported (and nothing else is missing)
+        assert o["carry_steps"] == 0 or o["carry_steps"] <= 2 * H
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["directory", "hub"])
+def test_reader_never_sees_global_and_step_count_out_of_step(tmp_path, kind, monkeypatch):
+    if kind == "hub":
+        from hub_server import HubServer
+
+        server = HubServer(token=TOKEN).start()
+        repo = f"{server.url}|org/run"
+    else:
+        server, repo = None, str(tmp_path / "repo")
+    try:
+        master = node(tmp_path, "master", repo, "m", lease=30)
+        wait_for(lambda: _ready(repo), 30, "the master's first global")
+        w = node(tmp_path, "worker", repo, "w1", steps=36, seed=5)
+        reader = _spawn("reader", repo, 12, log=tmp_path / "reader.log")
+        finish(w, tmp_path / "w1.log", timeout=40)
+        reader.wait(timeout=40)
+        text = (tmp_path / "reader.log").read_text()
+        assert reader.returncode == 0, text[-2000:]
+        stats = json.loads(text.strip().splitlines()[-1])
+        assert stats["checks"] > 10 and stats["distinct_steps"] >= 2, stats  # it did see publications
+        (tmp_path / "stop").touch()
+        finish(master, tmp_path / "m.log")
+    finally:
+        if server is not None:
+            server.stop()
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(TESTS))
+    role, *rest = sys.argv[1:]
+    if role == "node":
+        r, repo, node_id, state_dir, stop, steps, flaky, lease, seed = rest
+        proc_node(r, repo, node_id, state_dir, stop, int(steps), float(flaky), float(lease), int(seed))
+    else:
+        proc_reader(rest[0], float(rest[1]))
