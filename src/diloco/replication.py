@@ -84,6 +84,18 @@ def load_runs(root: Path) -> list[Run]:
     return runs
 
 
+def by_reference(runs: list[Run]) -> dict[str, Run]:
+    """One run per reference key; of a DumbDiLoCo run's node directories, the master's (it owns the global model)."""
+    out: dict[str, Run] = {}
+    for r in runs:
+        if not r.reference:
+            continue
+        role = r.config.get("distributed", {}).get("role")
+        if r.reference not in out or role == "master":
+            out[r.reference] = r
+    return out
+
+
 @dataclass
 class Verdict:
     id: str
@@ -205,7 +217,7 @@ def _eval_at_or_after(run: Run, step: int) -> float | None:
 
 def check(root: Path, families: list[str] | None = None, reference_path: Path = REFERENCE) -> list[Verdict]:
     reference = yaml.safe_load(Path(reference_path).read_text())
-    runs = {r.reference: r for r in load_runs(root) if r.reference}
+    runs = by_reference(load_runs(root))
     wanted = families or sorted({k.split("/")[0] for k in runs} | set())
     verdicts = [v for v in check_absolute(runs, reference) if v.id.split("/")[0] in wanted]
     for family in wanted:
