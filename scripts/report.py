@@ -25,7 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from diloco.metrics import wandb_mode  # noqa: E402
-from diloco.replication import REFERENCE, Run, check, load_runs, markdown_table  # noqa: E402
+from diloco.replication import REFERENCE, Run, by_reference, check, load_runs, markdown_table  # noqa: E402
 
 
 def _label(run: Run) -> str:
@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path("results") / args.family
     out.mkdir(parents=True, exist_ok=True)
     runs = sorted(
-        (r for r in load_runs(args.runs) if r.family == args.family), key=lambda r: r.reference or ""
+        (r for r in by_reference(load_runs(args.runs)).values() if r.family == args.family),
+        key=lambda r: r.reference or "",
     )
     if not runs:
         print(f"no runs of family {args.family!r} under {args.runs}/", file=sys.stderr)
