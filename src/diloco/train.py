@@ -318,6 +318,9 @@ def run(cfg: DictConfig) -> int:
                     step,
                     str(e).splitlines()[0] if str(e) else type(e).__name__,
                 )
+        elif (finish := getattr(strategy, "finish", None)) is not None and finish():
+            # DumbDiLoCo master: the last deltas are in; evaluate the final global model
+            eval_loss = run_eval(cfg, model, eval_set, shard_eval_sets, device, autocast, logger, step, ctx)
         elif last_eval_step != step:
             eval_loss = run_eval(cfg, model, eval_set, shard_eval_sets, device, autocast, logger, step, ctx)
     except KeyboardInterrupt:

@@ -1100,6 +1100,25 @@ class DumbDiLoCo:
     def load_state_dict(self, state: dict) -> None:
         self.coordinator.load_state_dict(state)
 
+    def finish(self) -> bool:
+        """End of training. On the master: stop the outer loop after its last round (the workers' last
+        deltas, within drain_seconds) and install that final global into the model, so the trainer's final
+        evaluation is of the model the run produced. True when the model changed."""
+        c = self.coordinator
+        if c.outer is None:
+            return False
+        c.close()
+        final = c.outer.snapshot()
+        if final.outer_step <= c.installed_outer_step:
+            return False
+        with torch.no_grad():
+            for k, t in c.model.state_dict().items():
+                t.copy_(final.state[k])
+        log.info(
+            "master: installed the final global (outer step %d) for the final evaluation", final.outer_step
+        )
+        return True
+
     def summary(self) -> dict:
         return self.coordinator.summary()
 
