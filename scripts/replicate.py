@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -177,6 +178,13 @@ def run_local(name: str, runs: Path) -> None:
         return
     nodes = topology(cfg)["nodes"]
     repo = runs / f"{cfg.run_name}-repo"
+    # an asynchronous run cannot resume as a whole: start it fresh (repository, master state, node runs)
+    for stale in [
+        repo,
+        runs / f"{cfg.run_name}-state",
+        *(runs / f"{cfg.run_name}-node-{i}" for i in range(nodes)),
+    ]:
+        shutil.rmtree(stale, ignore_errors=True)
     procs = []
     for rank in range(nodes):
         args = [
