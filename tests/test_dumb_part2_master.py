@@ -161,3 +161,17 @@ def test_lease_config_keys():
 
     s = Settings.from_config({"role": "master", "node_id": "m", "repo_id": "o/r"})
     assert (s.lease_seconds, s.keep_deltas, s.publish_master_state) == (300, 0, True)
+
+
+def test_processed_deltas_are_recognised_without_reading_them_again(tmp_path):
+    repo = Spy(DirectoryTransport(tmp_path / "repo"))
+    loop = OuterLoop(repo, MasterState.from_model_state(Tiny().state_dict()), node_id="m", outer_lr=0.7,
+                     outer_momentum=0.9, poll_interval=1, state_dir=None, max_file_bytes=2**20)  # fmt: skip
+    put_delta(repo, "a", 3, g(1.0))
+    loop.run_once()
+    headers, reads = repo.count("read_header"), repo.count("read")
+    for _ in range(3):
+        assert loop.run_once().applied == []
+    assert (repo.count("read_header"), repo.count("read")) == (headers, reads)  # path + version: no I/O
+    put_delta(repo, "a", 3, g(5.0))  # the same path re-uploaded with other contents: a new delta
+    assert [e.local_step for e in loop.run_once().applied] == [3] and loop.state.ledger.count("applied") == 2

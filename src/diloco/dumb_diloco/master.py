@@ -424,6 +424,7 @@ class OuterLoop:
         self._delta_layout = delta_layout(state.published())
         self.lock = threading.Lock()  # guards `state` against checkpointing from the training thread
         self._ignored_nodes: set[str] = set()
+        self._headers: dict[tuple[str, str], Candidate] = {}  # (path, version) -> identity from its header
         self._transient = False  # this round skipped something after a transport error (retried next poll)
         self._refused: list[tuple[str, int, str, str]] = []  # (node, step, tag, reason) from the last listing
         self._unpublished = False  # the last round's publication failed: retry before the next round
@@ -468,6 +469,8 @@ class OuterLoop:
             self.publish()
         revision = self.transport.revision()
         listed = self._list_deltas(revision)  # 1
+        live = {(f.path, getattr(f, "version", "")) for f in listed}
+        self._headers = {k: c for k, c in self._headers.items() if k in live}  # forget deleted/replaced files
         candidates = [self._candidate(f, revision) for f in listed]  # 2 (headers: the identities)
         self._processed_paths = {c.path: (c.node_id, c.local_step) for c in candidates
                                  if c is not None and c.identity in self.state.ledger}  # fmt: skip
@@ -606,6 +609,16 @@ class OuterLoop:
                 log.warning("master: rejected delta %s@%s: %s", node, step, reason)
 
     def _candidate(self, f, revision: str) -> Candidate | None:
+        """The delta's identity from its path and header (the header only once per file version)."""
+        key = (f.path, getattr(f, "version", ""))
+        if key[1] and key in self._headers:
+            return self._headers[key]
+        c = self._read_candidate(f, revision)
+        if key[1] and c is not None:
+            self._headers[key] = c
+        return c
+
+    def _read_candidate(self, f, revision: str) -> Candidate | None:
         node_id, local_step = parse_delta_path(f.path)  # type: ignore[misc]
         if f.size > self.max_file_bytes:  # refused from the listing: not even its header is read
             return Candidate(f.path, node_id, local_step, f"oversized-{f.size}",

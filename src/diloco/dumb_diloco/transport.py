@@ -131,6 +131,9 @@ class TransientError(TransportError):
 class RemoteFile:
     path: str
     size: int
+    # identifies this version of the file's contents (Hub: git blob id; directory: its revision);
+    # "" if unknown. Lets a reader cache what it learnt from a file's header (part 2).
+    version: str = field(default="", compare=False)
 
 
 @runtime_checkable
@@ -443,7 +446,8 @@ class HubTransport:
                 )
             except EntryNotFoundError:
                 return []  # no such folder (yet)
-            return [RemoteFile(e.path, int(e.size)) for e in entries if isinstance(e, RepoFile)]
+            return [RemoteFile(e.path, int(e.size), getattr(e, "blob_id", "") or "") for e in entries
+                    if isinstance(e, RepoFile)]  # fmt: skip
 
         return sorted(self._call(f"list {prefix or '/'!r}", _list), key=lambda f: f.path)
 
@@ -791,7 +795,7 @@ class DirectoryTransport:
                     path = f"{rel}/{name}" if rel else name
                     rec = self._log(v.rev)
                     assert rec is not None
-                    out.append(RemoteFile(path, int(rec.files[path])))
+                    out.append(RemoteFile(path, int(rec.files[path]), f"{v.rev}:{v.entry}"))
         return sorted(out, key=lambda f: f.path)
 
     def read(self, path: str, revision: str | None = None, max_bytes: int | None = None) -> bytes:
