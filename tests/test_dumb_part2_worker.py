@@ -100,3 +100,18 @@ def test_a_closed_coordinator_cannot_be_started_again(tmp_path):
         coord.on_step(1)
     with pytest.raises(DumbDiLoCoError, match="closed"):
         coord.start()
+
+
+def test_bounded_shutdown_reports_the_delta_it_could_not_upload(tmp_path, caplog):
+    import threading
+
+    coord, repo, model = worker(tmp_path, inner_steps=1, async_delta_upload=True, shutdown_timeout=0.2)
+    repo.block_writes = threading.Event()  # the repository hangs
+    nudge(model, 0.1)
+    coord.on_step(1)
+    repo.writes_started.wait(5)
+    t0 = time.monotonic()
+    coord.close()
+    assert time.monotonic() - t0 < 3
+    assert "nodes/w1/delta_1.safetensors (1 step(s)) was still uploading" in caplog.text
+    repo.block_writes.set()

@@ -1009,9 +1009,11 @@ class Coordinator:
             return
         self.closed = True
         if self._uploader is not None:
+            job = self._uploader._item
             if not self._uploader.join(self.s.shutdown_timeout):
-                log.warning("node %s: an upload was still running after %gs; leaving it", self.s.node_id,
-                            self.s.shutdown_timeout)  # fmt: skip
+                what = f"{job.path} ({job.steps} step(s))" if isinstance(job, DeltaJob) else "an upload"
+                log.warning("node %s: %s was still uploading after shutdown_timeout %gs; leaving it (it may not "
+                            "arrive)", self.s.node_id, what, self.s.shutdown_timeout)  # fmt: skip
             self._collect_lanes()
         if self._poller is not None:
             self._poller.join(0.0)
