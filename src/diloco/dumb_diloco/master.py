@@ -13,6 +13,11 @@ Every `poll_interval` seconds `OuterLoop.run_once` does one poll, the spec's ten
     9. save local master state          <state_dir>/<node_id>/: global weights, momentum, ledger, outer step
    10. notify the training thread       `on_snapshot(GlobalSnapshot)`; it installs at its next boundary
 
+Past the specification (docs/dumb_diloco.md "Past the specification"; every switch defaults to the
+spec): step 5 can wait for a quorum (`min_deltas_per_round`) and weight by staleness; step 6 can use
+delayed Nesterov; steps 7-8 also write global/ledger.json, global/outer_momentum.safetensors and the
+lease in the same write, and delete processed deltas beyond `keep_deltas` per node in it.
+
 This is DiLoCo's outer step (arXiv 2311.08105, Alg. 1 lines 9-11) with the synchronous all-reduce
 replaced by "whatever deltas arrived since the last poll". The outer thread only touches its own
 float32 copy of the global model (`MasterState`), never the live model. `MasterState` and `Ledger`
