@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import signal
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -106,6 +108,61 @@ class StopFlag:
             signal.signal(sig, handler)
 
 
+class PrefetchedStream:
+    """The training stream with the next micro-batches read and tokenised on a background thread while
+    the model computes (tokenizers and torch release the GIL): data preparation leaves the step's
+    critical path. `state_dict()` is the position after the last batch handed out, so checkpoints and
+    resume stay exact."""
+
+    def __init__(self, stream: SequenceStream, batch_size: int, depth: int = 2):
+        self.stream, self.batch_size = stream, batch_size
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._state = stream.state_dict()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _fill(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = (self.stream.next_batch(self.batch_size), self.stream.state_dict(), None)
+            except Exception as e:  # raised on the training thread when it asks for this batch
+                item = (None, None, e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    pass
+            if item[2] is not None:
+                return
+
+    def next_batch(self, batch_size: int):
+        if batch_size != self.batch_size:
+            raise ValueError(f"prefetching batches of {self.batch_size}, asked for {batch_size}")
+        if self._thread is None:  # started late: a resumed position is loaded first
+            self._thread = threading.Thread(target=self._fill, name="data-prefetch", daemon=True)
+            self._thread.start()
+        batch, state, error = self._queue.get()
+        if error is not None:
+            raise error
+        self._state = state
+        return batch
+
+    def state_dict(self) -> dict:
+        return self._state
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the data position can only be restored before the first batch")
+        self.stream.load_state_dict(state)
+        self._state = self.stream.state_dict()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
 def setup_logging(run_dir: Path, ctx: DistContext) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     name = "train.log" if ctx.is_main else f"train.rank{ctx.rank}.log"
@@ -142,7 +199,10 @@ def run(cfg: DictConfig) -> int:
         )
     shard = cfg.data.shard if cfg.data.shard is not None else ctx.rank
     num_shards = cfg.data.num_shards if cfg.data.num_shards is not None else ctx.world_size
-    train_stream = SequenceStream(cfg.data, tokenizer, cfg.data.train_split, shard, num_shards)
+    train_stream = PrefetchedStream(
+        SequenceStream(cfg.data, tokenizer, cfg.data.train_split, shard, num_shards),
+        cfg.train.micro_batch_size,
+    )
     eval_set, shard_eval_sets = [], {}  # held-out data, evaluated on rank 0 only
     if ctx.is_main:
         eval_set = eval_batches(cfg.data, tokenizer, cfg.eval.tokens, cfg.eval.micro_batch_size)
@@ -330,6 +390,7 @@ def run(cfg: DictConfig) -> int:
         status = "failed"  # recorded in summary.json, then the error propagates
         raise
     finally:
+        train_stream.close()
         stop.restore()
         bar.close()
         wall = wall_seconds()
