@@ -167,10 +167,10 @@ def run_cluster(name: str, hosts: list[str], port: int) -> None:
         raise RuntimeError(f"{name} failed on {', '.join(failed)}; logs: runs/<run_name>/launch-node*.log")
 
 
-def run_local(name: str, runs: Path) -> None:
+def run_local(name: str, runs: Path, overrides: list[str] = ()) -> None:
     """The tiny family: every run on this machine, on CPU."""
-    cfg = compose_experiment(name)
-    common = [f"out_dir={runs}", "train.progress=false"]
+    cfg = compose_experiment(name, list(overrides))
+    common = [f"out_dir={runs}", "train.progress=false", *overrides]
     if cfg.distributed.mode != "dumb_diloco":
         subprocess.run(
             ["scripts/launch_node.sh", "--experiment", name, "--cpu", "--", *common], cwd=ROOT, check=True
@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=int(os.environ.get("RDZV_PORT", 29500)))
     p.add_argument("--runs", type=Path, default=Path("runs"))
     p.add_argument("--only", nargs="*", help="a subset of the family's experiments")
+    p.add_argument("--override", action="append", default=[], help="a hydra override for every local run")
     args = p.parse_args(argv)
     names = [n for n in family_runs(args.family) if not args.only or n in args.only]
     try:
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.family == "tiny":
             for name in names:
-                run_local(name, args.runs)
+                run_local(name, args.runs, args.override)
             return 0
         if not args.hosts_file.exists():
             raise PlanError(f"no hosts file {args.hosts_file}: list the GPU nodes, one per line (see README)")
