@@ -246,10 +246,10 @@ def test_second_master_refuses_while_the_lease_is_fresh_then_takes_over(tmp_path
     from diloco.dumb_diloco.transport import DirectoryTransport
 
     repo_dir = str(tmp_path / "repo")
-    first = node(tmp_path, "master", repo_dir, "m1", lease=3)
+    first = node(tmp_path, "master", repo_dir, "m1", lease=8)
     wait_for(lambda: (tmp_path / "repo").exists() and published_step(DirectoryTransport(repo_dir)) >= 0, 30,
              "the first master")  # fmt: skip
-    second = node(tmp_path, "master", repo_dir, "m2", lease=3, tag="-refused")
+    second = node(tmp_path, "master", repo_dir, "m2", lease=8, tag="-refused")
     second.wait(timeout=30)
     text = (tmp_path / "m2-refused.log").read_text()
     assert second.returncode == 2 and "held by master 'm1'" in text
@@ -257,8 +257,8 @@ def test_second_master_refuses_while_the_lease_is_fresh_then_takes_over(tmp_path
     first.send_signal(signal.SIGKILL)
     first.wait()
     w = node(tmp_path, "worker", repo_dir, "w1", steps=30, seed=3)
-    time.sleep(3.2)  # the lease expires
-    second = node(tmp_path, "master", repo_dir, "m2", lease=3, tag="-takeover")
+    time.sleep(8.2)  # the lease expires (8 s: a busy machine delays heartbeats by seconds)
+    second = node(tmp_path, "master", repo_dir, "m2", lease=8, tag="-takeover")
     finish(w, tmp_path / "w1.log")
     (tmp_path / "stop").touch()
     finish(second, tmp_path / "m2-takeover.log")
