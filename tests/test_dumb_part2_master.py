@@ -175,3 +175,19 @@ def test_processed_deltas_are_recognised_without_reading_them_again(tmp_path):
     assert (repo.count("read_header"), repo.count("read")) == (headers, reads)  # path + version: no I/O
     put_delta(repo, "a", 3, g(5.0))  # the same path re-uploaded with other contents: a new delta
     assert [e.local_step for e in loop.run_once().applied] == [3] and loop.state.ledger.count("applied") == 2
+
+
+def test_a_long_round_checks_the_lease_before_publishing(tmp_path):
+    repo = DirectoryTransport(tmp_path / "repo")
+    loop = OuterLoop(repo, MasterState.from_model_state(Tiny().state_dict()), node_id="m", outer_lr=0.7,
+                     outer_momentum=0.9, poll_interval=1, state_dir=None, max_file_bytes=2**20,
+                     lease_seconds=60)  # fmt: skip
+    assert loop.publish()  # takes the lease
+    # the round took longer than lease_seconds/2 and another master took over meanwhile
+    repo.write(
+        {LEASE_PATH: json.dumps({"master": "m2", "heartbeat": time.time(), "lease_seconds": 60}).encode()}
+    )
+    loop._last_lease_write -= 31
+    put_delta(repo, "a", 3, g(1.0))
+    assert not loop.run_once().published and "m2" in loop.fenced
+    assert json.loads(repo.read(GLOBAL_STEP_PATH))["outer_step"] == 0  # nothing overwritten

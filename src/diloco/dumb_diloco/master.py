@@ -27,6 +27,7 @@ checkpoint) so a later part can publish the ledger, weight by staleness or hand 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -683,6 +684,9 @@ class OuterLoop:
         """Steps 7 and 8 in one write: the full global weights and global/step_count.json; past the spec,
         in the same write, the ledger and outer momentum (`publish_state`), the lease, and the deletion
         of processed deltas beyond `keep_deltas` per node (garbage collection)."""
+        if self.lease_seconds > 0 and time.monotonic() - self._last_lease_write > self.lease_seconds / 2:
+            with contextlib.suppress(TransportError):
+                self._check_fence()  # a long round: make sure no other master took the lease meanwhile
         if self.fenced:
             log.error("master: not publishing: %s", self.fenced)
             return False
@@ -785,6 +789,15 @@ class OuterLoop:
                  "heartbeat_utc": utc_now(), "outer_step": self.state.outer_step}  # fmt: skip
         return json.dumps(lease).encode()
 
+    def _check_fence(self) -> bool:
+        """True (and `fenced` set) if another master holds a fresh lease. Raises TransportError."""
+        other = lease_holder(self.transport, self.node_id, self.lease_seconds, self.wall_clock())
+        if other is not None and not self.fenced:
+            self.fenced = (f"master {other[0]!r} holds the lease of this repository (heartbeat {other[1]:.0f}s "
+                           "ago); this master stops aggregating")  # fmt: skip
+            log.error("master %s: %s", self.node_id, self.fenced)
+        return bool(self.fenced)
+
     def heartbeat(self) -> None:
         """Renew the lease (a small write of its own) when no publication renewed it for lease_seconds/3;
         stop publishing (fenced) if another master holds a fresh lease."""
@@ -793,11 +806,7 @@ class OuterLoop:
         if time.monotonic() - self._last_lease_write < self.lease_seconds / 3:
             return
         try:
-            other = lease_holder(self.transport, self.node_id, self.lease_seconds, self.wall_clock())
-            if other is not None:
-                self.fenced = (f"master {other[0]!r} holds the lease of this repository (heartbeat {other[1]:.0f}s "
-                               "ago); this master stops aggregating")  # fmt: skip
-                log.error("master %s: %s", self.node_id, self.fenced)
+            if self._check_fence():
                 return
             self.transport.write({LEASE_PATH: self._lease_blob()}, message=f"{self.node_id}: lease heartbeat")
             self._last_lease_write = time.monotonic()
