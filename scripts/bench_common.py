@@ -33,7 +33,6 @@ GB = 1e9
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def parser(description: str, repeats: int = 5, warmup: int = 1) -> argparse.ArgumentParser:

@@ -21,12 +21,13 @@ a collective per tensor, `torch.optim.SGD(foreach=False)`). Target: the project'
 the floor. A `torch.profiler` table of the project's step (worker 0) shows where the time goes.
 
 The 1.1B shape: its embedding and head and the first `--layers-1b` of its 22 decoder layers (every
-tensor shape of the 1.1B model), because the project's outer step holds about five float32 copies per
-worker (params, global, momentum, gradient, Nesterov temporary): the full 1.1B model needs ~24 GB for
-ONE worker. Seconds scale linearly with the parameter count; the ratio to the floor does not.
+tensor shape of the 1.1B model), because each worker holds four float32 copies (params, global,
+momentum, pseudo-gradient): the full 1.1B model needs ~18 GB per worker, and W=2 workers would not
+fit this 23 GB machine. With 4 layers (307M parameters) W=2 needs ~10 GB. Seconds scale linearly with
+the parameter count; the ratio to the floor does not.
 
     python scripts/bench_outer_step.py                     # 150m and 1b shapes, W=2, ~5 minutes
-    python scripts/bench_outer_step.py --layers-1b 22 --workers 2   # the full 1.1B (needs ~55 GB)
+    python scripts/bench_outer_step.py --layers-1b 22 --workers 2   # the full 1.1B (needs ~36 GB)
     python scripts/bench_outer_step.py --tiny
 """
 
@@ -313,7 +314,7 @@ def main(argv=None) -> int:
     p = bc.parser(__doc__.splitlines()[0], repeats=3, warmup=1)
     p.add_argument("--shapes", nargs="+", default=["150m", "1b"])
     p.add_argument("--workers", type=int, default=2, help="W in-process workers")
-    p.add_argument("--layers-1b", type=int, default=3, help="decoder layers of the 1.1B shape (of 22)")
+    p.add_argument("--layers-1b", type=int, default=4, help="decoder layers of the 1.1B shape (of 22)")
     p.add_argument("--dtypes", nargs="+", default=["float32"], help="wire dtypes (float32 float16 bfloat16)")
     p.add_argument("--impls", nargs="+", default=["naive", "project"], choices=list(IMPLS))
     p.add_argument("--no-profile", action="store_true")
