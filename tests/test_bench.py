@@ -53,12 +53,14 @@ def test_table_formatting(value):
     assert text.count("\n") == 2 and text.startswith("| a | b |")
 
 
+@pytest.mark.slow  # runs the real trainer end to end
 def test_trainer(tmp_path):
     record = run_tiny("bench_trainer", tmp_path)
     (row,) = record["rows"]
     assert row["trainer tok/s"] > 0 and row["plain loop tok/s"] > 0
 
 
+@pytest.mark.slow  # runs the real trainer end to end
 def test_comm_volume(tmp_path):
     record = run_tiny("bench_comm_volume", tmp_path)
     rows = {(r["mode"], r["pseudo-grad dtype"]): r for r in record["rows"]}
@@ -135,6 +137,7 @@ def test_throttled_transport_takes_size_over_bandwidth(tmp_path):
     assert t.read("a/b.bin") == b"x" * 100_000 and t.bytes_up == t.bytes_down == 100_000
 
 
+@pytest.mark.slow  # runs the real trainer end to end
 def test_utilization(tmp_path):
     record = run_tiny("bench_utilization", tmp_path)
     assert {r["mode"] for r in record["rows"]} == {"DiLoCo FP32", "DumbDiLoCo v2"}
