@@ -19,6 +19,7 @@ the bundled sample in place of C4), so a broken config is caught before a GPU ho
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import shutil
@@ -171,6 +172,10 @@ def run_local(name: str, runs: Path, overrides: list[str] = ()) -> None:
     """The tiny family: every run on this machine, on CPU."""
     cfg = compose_experiment(name, list(overrides))
     common = [f"out_dir={runs}", "train.progress=false", *overrides]
+    summary = runs / cfg.run_name / "summary.json"
+    if summary.exists() and json.loads(summary.read_text()).get("step") == cfg.train.max_steps:
+        print(f"   {name}: already complete in {summary.parent} (delete it to run again)", flush=True)
+        return
     if cfg.distributed.mode != "dumb_diloco":
         subprocess.run(
             ["scripts/launch_node.sh", "--experiment", name, "--cpu", "--", *common], cwd=ROOT, check=True

@@ -245,7 +245,7 @@ def run(cfg: DictConfig) -> int:
         train_model = torch.compile(train_model)
 
     # ----------------------------------------------------------------------------- resume
-    step, start_time_offset = 0, 0.0
+    step, start_time_offset, inner_seconds_before = 0, 0.0, 0.0
     ckpt_dir = None
     if cfg.resume == "auto":
         ckpt_dir = checkpoint.latest(run_dir)
@@ -262,6 +262,7 @@ def run(cfg: DictConfig) -> int:
         strategy.load_state_dict(state["strategy"])
         checkpoint.set_rng_state(state["rng"])
         step, start_time_offset = int(state["step"]), float(state["wall_seconds"])
+        inner_seconds_before = float(state.get("inner_seconds", 0.0))
         log.info("resumed from %s at step %d", ckpt_dir, step)
 
     logger = RunLogger(
@@ -278,6 +279,7 @@ def run(cfg: DictConfig) -> int:
             "rng": checkpoint.rng_state(),
             "step": step,
             "wall_seconds": wall_seconds(),
+            "inner_seconds": inner_seconds,
         }
         meta = {
             "model": cfg.model.name,
@@ -309,7 +311,7 @@ def run(cfg: DictConfig) -> int:
     )
     eval_loss = math.nan
     last_eval_step = -1
-    inner_seconds = 0.0
+    inner_seconds = inner_seconds_before  # forward/backward/optimizer time, across resumes
     window_start, window_tokens = time.perf_counter(), 0
     status = "completed"
     exit_code = 0
@@ -403,7 +405,7 @@ def run(cfg: DictConfig) -> int:
             "final_eval_perplexity": math.exp(min(eval_loss, 50)) if not math.isnan(eval_loss) else None,
             "tokens_seen": step * tokens_per_step * ctx.num_workers,
             "wall_seconds": wall,
-            "compute_utilization": inner_seconds / max(wall - start_time_offset, 1e-9),
+            "compute_utilization": inner_seconds / max(wall, 1e-9),
             "parameters": counts,
             "world_size": ctx.world_size,
             "num_workers": ctx.num_workers,

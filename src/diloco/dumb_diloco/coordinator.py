@@ -1068,6 +1068,10 @@ class DumbDiLoCo:
                 "node %s: data.shard/data.num_shards are not set, so this node reads the same data as every other "
                 "node left at the default; give node i of n `data.shard=i data.num_shards=n`", settings.node_id,
             )  # fmt: skip
+        if cfg.data.get(
+            "num_shards"
+        ):  # the run's node count, for effective_step / total_samples / tokens_seen
+            ctx.num_workers = int(cfg.data.num_shards)
         hf_config = json.loads(model.config.to_json_string()) if hasattr(model, "config") else None
         coordinator = Coordinator(
             model,
