@@ -182,7 +182,7 @@ def check_claim(claim: dict, runs: dict[str, Run]) -> Verdict:
         return Verdict(
             claim["id"],
             claim["claim"],
-            f"|a/b-1| <= {tol:.0%}",
+            f"abs(a/b-1) <= {tol:.0%}",
             f"{pa:.2f} vs {pb:.2f}",
             f"{rel:+.2%}",
             "PASS" if abs(rel) <= tol else "FAIL",
@@ -202,7 +202,7 @@ def check_claim(claim: dict, runs: dict[str, Run]) -> Verdict:
         return Verdict(
             claim["id"],
             claim["claim"],
-            f"|a-b| <= {tol}",
+            f"abs(a-b) <= {tol}",
             f"{pa:.2f} vs {pb:.2f}",
             f"{d:+.2f}",
             "PASS" if abs(d) <= tol else "FAIL",
