@@ -86,7 +86,7 @@ def run_nodes(tmp_path: Path, repo_id: str, mode: str, env: dict[str, str], time
             f"out_dir={tmp_path / 'runs'}", f"run_name={node_id}",
         ]  # fmt: skip
         if role == "master":
-            cmd.append("distributed.drain_seconds=5")  # aggregate the workers' last deltas before leaving (slow CI)
+            cmd.append("distributed.drain_seconds=5")  # take the workers' last deltas (slow CI)
         log = open(tmp_path / f"{node_id}.out", "w")
         procs.append(
             (node_id, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log)
