@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
 import signal
 import sys
@@ -115,6 +116,9 @@ class PrefetchedStream:
     resume stay exact."""
 
     def __init__(self, stream: SequenceStream, batch_size: int, depth: int = 2):
+        # This thread is the data pipeline's parallelism: a tokenizer thread pool on top would compete
+        # with torch's threads for the cores (an explicit TOKENIZERS_PARALLELISM is respected).
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.stream, self.batch_size = stream, batch_size
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._state = stream.state_dict()
