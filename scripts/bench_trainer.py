@@ -8,13 +8,14 @@ pipeline, tokenisation, logging, strategy hooks) is included. The plain loop bui
 on the same micro-batches, tokenised beforehand and held in memory. The two alternate, `repeats`
 times; the ratio is taken per pair and its median reported. Target: trainer >= 0.97x the plain loop.
 
-    python scripts/bench_trainer.py                # micro and 14m on CPU, 5 pairs each, ~4 minutes
+    python scripts/bench_trainer.py                # micro and 14m on CPU, 4 pairs each, ~5 minutes
     python scripts/bench_trainer.py --tiny
     python scripts/bench_trainer.py --models 150m --device cuda   # on a GPU (bf16 autocast, as the trainer)
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -32,7 +33,7 @@ TARGET = 0.97
 # per model: batch (sequences per step), micro-batch, sequence length, steps, logging window, warm-up steps
 SETTINGS = {
     "micro": dict(batch=16, micro=16, seq_len=256, steps=25, window=5, warmup_steps=5),
-    "14m": dict(batch=8, micro=8, seq_len=256, steps=12, window=2, warmup_steps=4),
+    "14m": dict(batch=8, micro=8, seq_len=256, steps=10, window=2, warmup_steps=4),
     "150m": dict(batch=64, micro=16, seq_len=1024, steps=30, window=5, warmup_steps=10),
     "tiny": dict(batch=4, micro=2, seq_len=64, steps=4, window=2, warmup_steps=2),
 }
@@ -135,24 +136,63 @@ def fetch_batches(cfg, s: dict) -> list:
     return [stream.next_batch(s["micro"]) for _ in range(n)]
 
 
-def bench_model(model: str, s: dict, args, tmp: Path) -> tuple[dict, dict]:
+class _MemoryStream:
+    """Stands in for SequenceStream inside the trainer: the same batches, already in memory."""
+
+    batches: list = []
+
+    def __init__(self, *args, **kwargs):
+        self._it = itertools.cycle(self.batches)  # the prefetch thread reads a little past the end
+
+    def next_batch(self, batch_size: int):
+        return next(self._it)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def trainer_in_memory_tokens_per_second(cfg, s: dict, batches: list) -> float:
+    """The trainer with its data stream replaced by the in-memory batches (a diagnosis: what the
+    trainer costs besides reading and tokenising data)."""
+    import diloco.train as train_mod
+
+    original = train_mod.SequenceStream
+    _MemoryStream.batches = batches
+    train_mod.SequenceStream = _MemoryStream
+    try:
+        return trainer_tokens_per_second(cfg, s)
+    finally:
+        train_mod.SequenceStream = original
+
+
+def bench_model(model: str, s: dict, args, tmp: Path, in_memory_leg: bool) -> tuple[dict, dict]:
     import logging
 
     cfg = compose(model, s, tmp, f"bench-{model}", args.device)
     batches = fetch_batches(cfg, s)
-    trainer, plain, ratios = [], [], []
+    trainer, plain, memory, ratios, memory_ratios = [], [], [], [], []
     for i in range(args.warmup + args.repeats):
         cfg = compose(model, s, tmp, f"bench-{model}-{i}", args.device)
         if i % 2:  # alternate the order so that a drift in the machine's load cancels out
             p = plain_loop_tokens_per_second(cfg, s, batches)
         t = trainer_tokens_per_second(cfg, s)
         logging.getLogger("diloco").handlers.clear()
+        if in_memory_leg:
+            cfg = compose(model, s, tmp, f"bench-{model}-{i}-mem", args.device)
+            m = trainer_in_memory_tokens_per_second(cfg, s, batches)
+            logging.getLogger("diloco").handlers.clear()
         if not i % 2:
             p = plain_loop_tokens_per_second(cfg, s, batches)
         if i >= args.warmup:
             trainer.append(t)
             plain.append(p)
             ratios.append(t / p)
+            if in_memory_leg:
+                memory.append(m)
+                memory_ratios.append(m / p)
     ratio = statistics.median(ratios)
     row = {
         "model": model,
@@ -165,8 +205,11 @@ def bench_model(model: str, s: dict, args, tmp: Path) -> tuple[dict, dict]:
         "ratio IQR": f"{_quantile(ratios, 0.25):.3f}-{_quantile(ratios, 0.75):.3f}",
         "target": TARGET,
         "met": "yes" if ratio >= TARGET else "NO",
+        "trainer, data in memory: ratio": statistics.median(memory_ratios) if memory_ratios else None,
     }
-    return row, {"model": model, "settings": s, "trainer": trainer, "plain": plain, "ratios": ratios}
+    detail = {"model": model, "settings": s, "trainer": trainer, "plain": plain, "ratios": ratios}
+    detail |= {"trainer_in_memory": memory, "in_memory_ratios": memory_ratios}
+    return row, detail
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -177,15 +220,21 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def main(argv=None) -> int:
-    p = bc.parser(__doc__.splitlines()[0], repeats=5, warmup=0)
+    p = bc.parser(__doc__.splitlines()[0], repeats=4, warmup=0)
     p.add_argument("--models", nargs="+", default=["micro", "14m"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--in-memory-leg",
+        nargs="*",
+        default=["micro"],
+        help="models also timed with the trainer's data in memory",
+    )
     args = bc.finish_args(p.parse_args(argv))
     rows, details = [], []
     with tempfile.TemporaryDirectory(prefix="bench_trainer_") as tmp:
         for model in ["micro"] if args.tiny else args.models:
             s = SETTINGS["tiny" if args.tiny else model]
-            row, detail = bench_model(model, s, args, Path(tmp))
+            row, detail = bench_model(model, s, args, Path(tmp), model in args.in_memory_leg)
             rows.append(row)
             details.append(detail)
     verdicts = [
@@ -198,6 +247,8 @@ def main(argv=None) -> int:
         "streaming json.gz + tokenisation on the training thread, logging and the strategy hooks). Plain loop: "
         "same model, seed, AdamW, schedule, clipping and micro-batches, pre-tokenised in memory.",
         "Tokens are sequences x seq_len (pads included), the trainer's own count.",
+        "'trainer, data in memory': the same trainer with its SequenceStream replaced by the plain loop's in-memory "
+        "batches: the trainer's cost besides reading and tokenising data.",
         f"Settings: {json.dumps({d['model']: d['settings'] for d in details})}",
     ]
     if any(math.isnan(r["ratio"]) for r in rows):

@@ -206,7 +206,7 @@ def _hub_header_check(HubServer, HubTransport, blob: bytes, path: str, delta32: 
 
 
 def main(argv=None) -> int:
-    p = bc.parser(__doc__.splitlines()[0], repeats=3)
+    p = bc.parser(__doc__.splitlines()[0], repeats=3, warmup=0)
     p.add_argument("--model", default="150m", help="configs/model/<name>.yaml whose delta is written")
     p.add_argument("--hub-model", default="14m", help="model whose delta goes through the loopback Hub")
     args = bc.finish_args(p.parse_args(argv))
