@@ -8,7 +8,7 @@ pipeline, tokenisation, logging, strategy hooks) is included. The plain loop bui
 on the same micro-batches, tokenised beforehand and held in memory. The two alternate, `repeats`
 times; the ratio is taken per pair and its median reported. Target: trainer >= 0.97x the plain loop.
 
-    python scripts/bench_trainer.py                # micro and 14m on CPU, 4 pairs each, ~5 minutes
+    python scripts/bench_trainer.py                # micro and 14m on CPU, 3 pairs each, ~4 minutes
     python scripts/bench_trainer.py --tiny
     python scripts/bench_trainer.py --models 150m --device cuda   # on a GPU (bf16 autocast, as the trainer)
 """
@@ -220,7 +220,7 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def main(argv=None) -> int:
-    p = bc.parser(__doc__.splitlines()[0], repeats=4, warmup=0)
+    p = bc.parser(__doc__.splitlines()[0], repeats=3, warmup=0)
     p.add_argument("--models", nargs="+", default=["micro", "14m"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(
