@@ -25,7 +25,7 @@ reports 90-95%; the target for the asynchronous mode is >= 99%. Tokens/s relativ
 communication are reported too (on 2 shared CPU cores they also include the background threads'
 competition for the cores).
 
-    python scripts/bench_utilization.py          # ~5 minutes
+    python scripts/bench_utilization.py          # ~3 minutes
     python scripts/bench_utilization.py --tiny
 """
 
@@ -180,15 +180,15 @@ def dumb_builder(bytes_per_s: float, repo: Path, state_dir: Path, h: int, poll: 
 
 def main(argv=None) -> int:
     p = bc.parser(__doc__.splitlines()[0], repeats=1, warmup=0)
-    p.add_argument("--inner-steps", type=int, default=20, help="H of the runs here")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--inner-steps", type=int, default=10, help="H of the runs here")
+    p.add_argument("--rounds", type=int, default=4, help="measured rounds (after one warm-up round)")
     p.add_argument("--bandwidths-mbit", type=float, nargs="+", default=BANDWIDTHS_MBIT)
     p.add_argument("--paper-step-seconds", type=float, default=PAPER_STEP_S)
     p.add_argument("--workers", type=int, default=PAPER_WORKERS, help="W of the simulated ring all-reduce")
     args = bc.finish_args(p.parse_args(argv))
     h, rounds, bandwidths = args.inner_steps, args.rounds, args.bandwidths_mbit
     base = [
-        "model=micro", "data=sample", "data.seq_len=256", "train.batch_size=16", "train.micro_batch_size=16",
+        "model=micro", "data=sample", "data.seq_len=256", "train.batch_size=8", "train.micro_batch_size=8",
         "train.eval_every=0", "train.checkpoint_every=0", "train.progress=false", "eval.tokens=512",
         "optim.lr=3e-3", "optim.warmup_steps=10", "optim.total_steps=1000", "device=cpu", "wandb.mode=disabled",
         "resume=never",
