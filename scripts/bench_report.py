@@ -38,7 +38,8 @@ def load(out: Path) -> dict[str, dict]:
 
 
 def section(r: dict) -> list[str]:
-    lines = [f"## {ISSUE_ITEM[r['name']]}: {r['title']}", ""]
+    number = ISSUE_ITEM[r["name"]].split(".")[0]
+    lines = [f"## {number}. {r['title']}", ""]
     lines += [f"`{r['command']}` at `{r['commit'][:12]}`, {r['date']}", ""]
     if r.get("verdicts"):
         lines += [f"- {v}" for v in r["verdicts"]] + [""]
