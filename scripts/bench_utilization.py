@@ -260,6 +260,10 @@ def main(argv=None) -> int:
                         "analytic": analytic,
                         "tokens/s vs no-comm": wall0 / wall,
                         "target": TARGET_ASYNC if mode.startswith("Dumb") else None,
+                        # the price of asynchrony on a slow link is staleness, not stall
+                        "new globals installed": summary["outer/installs"] - 1
+                        if mode.startswith("Dumb")
+                        else None,
                     }
                 )
                 raw.append(
@@ -291,6 +295,9 @@ def main(argv=None) -> int:
         "Analytic (sync): c / (c + rounds x 2(W-1)/W x payload / link), c = the run's own time outside the "
         "strategy; the gap to the measured value is the outer step's own compute (pseudo-gradient, cast, Nesterov).",
         "FP16 here is the plain cast (fp16_scaling=false), as in the paper's FP16 runs.",
+        f"New globals installed: globals the DumbDiLoCo worker installed during its {rounds + 1} rounds (besides the "
+        "first). On a slow link a delta and a global each take most of a round to cross it, so the worker trains "
+        "on while its view of the global model falls behind: the cost of asynchrony there is staleness, not stall.",
     ]
     plot = plot_utilization(rows, args.out) if not args.tiny else None
     bc.write(
@@ -306,6 +313,7 @@ def main(argv=None) -> int:
             "analytic",
             "tokens/s vs no-comm",
             "target",
+            "new globals installed",
         ],
         notes=notes,
         verdicts=verdicts,
