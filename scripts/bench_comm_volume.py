@@ -278,7 +278,8 @@ def main(argv=None) -> int:
         )
 
     verdicts = [
-        f"{r['mode']} {r['pseudo-grad dtype']}: measured {r['measured B/step']:.0f} B/step vs analytic "
+        f"{r['mode']}{'' if r['mode'] == 'ddp' else ' ' + r['pseudo-grad dtype']}: measured "
+        f"{r['measured B/step']:.0f} B/step vs analytic "
         f"{r['analytic B/step']:.0f} ({r['measured/analytic']:.4f}x)"
         for r in rows
         if r["measured B/step"]
