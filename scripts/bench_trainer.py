@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     ]
     notes = [
         "Trainer tokens/s: its own metrics.jsonl windows after the warm-up steps (includes the data pipeline: "
-        "streaming json.gz + tokenisation on the training thread, logging and the strategy hooks). Plain loop: "
+        "streaming json.gz + tokenisation on its prefetch thread, logging and the strategy hooks). Plain loop: "
         "same model, seed, AdamW, schedule, clipping and micro-batches, pre-tokenised in memory.",
         "Tokens are sequences x seq_len (pads included), the trainer's own count.",
         "'trainer, data in memory': the same trainer with its SequenceStream replaced by the plain loop's in-memory "
