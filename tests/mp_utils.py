@@ -132,7 +132,8 @@ def _child(target: str, args_path: str, out_path: str) -> None:
     Path(out_path).write_bytes(pickle.dumps(result))
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if dist.is_initialized():  # barrier first: a rank that tears down early can abort a peer mid-send
+        dist.barrier()
         dist.destroy_process_group()
 
 

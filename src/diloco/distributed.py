@@ -243,6 +243,11 @@ def _counting_allreduce_hook(state: DataParallel, bucket):
     return default_hooks.allreduce_hook(state.group, bucket)
 
 
-def shutdown_distributed(ctx: DistContext) -> None:
+def shutdown_distributed(ctx: DistContext, clean: bool = True) -> None:
+    """Leave the job. After a clean finish, wait at a barrier first: a gloo rank that tears down its
+    pairs while a peer still sends on them aborts that peer ("terminate called without an active
+    exception"). After a failure the peers may be gone, so do not wait for them."""
     if ctx.initialized:
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()

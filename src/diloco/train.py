@@ -431,7 +431,7 @@ def run(cfg: DictConfig) -> int:
             wall,
         )
         print(f"final eval perplexity: {math.exp(min(eval_loss, 50)):.2f}")
-    shutdown_distributed(ctx)
+    shutdown_distributed(ctx, clean=exit_code == 0)
     return exit_code
 
 
