@@ -11,8 +11,8 @@ on the training thread (the coordinator's own `comm/boundary_stall_seconds` agre
 v2 (async_delta_upload: true, the default) must not depend on the link speed and must stay within
 1.5x of the floor: copying the model's state once (`torch._foreach_copy_` into buffers allocated
 beforehand, measured in the same run). v1 (all I/O on the training thread) is shown for contrast. A
-"proposed" row runs a bench-only subclass whose boundary copies the weights once into a reused buffer
-and leaves the subtraction to the uploader thread (see results/bench/README.md). A v2 boundary that
+"v2 before" row runs a bench-only subclass with the boundary as it was before the one-copy change (the
+subtraction and a fresh baseline copy on the training thread), so the gain stays visible. A v2 boundary that
 finds an upload in flight is skipped; its stall is reported too.
 
     python scripts/bench_boundary.py         # 14m at 10 MB/s and unlimited, 150m unlimited; ~4 minutes
@@ -26,7 +26,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import bench_common as bc
@@ -34,7 +33,6 @@ import torch
 
 from diloco.dumb_diloco import coordinator as coord_mod
 from diloco.dumb_diloco.coordinator import Coordinator, Settings
-from diloco.dumb_diloco.tensor_format import DeltaMeta, delta_path, pseudo_gradient
 from diloco.dumb_diloco.transport import DirectoryTransport
 
 TARGET = 1.5
@@ -55,67 +53,21 @@ class Params(torch.nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------
-# the proposed boundary (bench-only subclass; the change is described in results/bench/README.md)
+# the boundary before the one-copy change (commit 956d36f), kept as the contrast row
 
 
-@dataclass
-class _LazyJob:
-    """A DeltaJob whose delta the uploader computes: the training thread only copied the weights."""
-
-    local_step: int
-    path: str
-    base: dict
-    snapshot: dict
-    carry: object
-    meta: DeltaMeta
-    steps: int
-    delta: dict | None = None
-
-
-class OneCopyCoordinator(Coordinator):
-    """v2 boundary = one copy of the weights into a buffer reused across boundaries; the uploader
-    computes float32(baseline) - float32(snapshot), adds a failed upload's carry, encodes and writes."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._spare: dict | None = None
-        self._own: set[int] = set()
+class TwoCopyCoordinator(Coordinator):
+    """The v2 boundary as it was: the training thread computed the delta (reads baseline and weights,
+    writes a fresh float32 delta) and then copied the weights into a fresh baseline."""
 
     def _capture(self, local_step):
-        if self._uploader is None:
-            return super()._capture(local_step)
         state = self.model.state_dict()
-        keys = self._delta_keys
-        snap, self._spare = self._spare, None
-        if snap is None:
-            snap = {k: torch.empty_like(state[k], device="cpu") for k in keys}
-            self._own.add(id(snap))
-        torch._foreach_copy_([snap[k] for k in keys], [state[k].detach() for k in keys])  # the one copy
-        base, carry = self._baseline, self._carry
-        self._baseline, self._carry = snap, None
-        base_outer_step, steps = self.installed_outer_step, self._steps_since_capture
-        if carry is not None:
-            base_outer_step, steps = min(base_outer_step, carry.base_outer_step), steps + carry.steps
-        self._steps_since_capture = 0
-        meta = DeltaMeta(
-            node_id=self.s.node_id,
-            local_step=local_step,
-            base_outer_step=max(base_outer_step, 0),
-            tokens_since_baseline=steps * self.tokens_per_step,
-            samples_since_baseline=steps * self.samples_per_step,
-        )
-        return _LazyJob(local_step, delta_path(self.s.node_id, local_step), base, snap, carry, meta, steps)
-
-    def _send(self, job):
-        if isinstance(job, _LazyJob) and job.delta is None:
-            job.delta = pseudo_gradient(job.base, job.snapshot)
-            if job.carry is not None:
-                for k, t in job.carry.delta.items():
-                    job.delta[k].add_(t)
-            if id(job.base) in self._own:  # the old baseline buffer is ours and free again
-                self._spare = job.base
-            job.base = None
-        return super()._send(job)
+        current = {k: state[k] for k in self._delta_keys}
+        job = super()._capture(local_step)
+        job.materialize()  # the subtraction on the training thread, as before
+        self._baseline = {k: t.detach().to("cpu", copy=True) for k, t in current.items()}  # a fresh copy
+        self._free.clear()
+        return job
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -196,7 +148,7 @@ def bench_case(shapes, tmp: Path, version: str, bytes_per_s, args) -> dict:
         shutdown_timeout=900.0,
         publish_hf_config=False,
     )
-    cls = OneCopyCoordinator if version == "proposed" else Coordinator
+    cls = TwoCopyCoordinator if version == "before" else Coordinator
     transport = bc.ThrottledTransport(DirectoryTransport(repo, keep_old_versions_s=0.0), bytes_per_s)
     c = cls(model, settings, transport)
     c.start()
@@ -279,7 +231,7 @@ def profile_capture(shapes, tmp: Path) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    # two warm-up boundaries: the proposed coordinator reuses a buffer from the third capture on
+    # two warm-up boundaries: the coordinator reuses a snapshot buffer from the third capture on
     p = bc.parser(__doc__.splitlines()[0], repeats=3, warmup=2)
     p.add_argument("--throttled-model", default="14m", help="model measured at 10 MB/s and unlimited")
     p.add_argument("--large-model", default="150m", help="model measured unlimited only ('' to skip)")
@@ -287,11 +239,11 @@ def main(argv=None) -> int:
     args = bc.finish_args(p.parse_args(argv))
     logging.getLogger("diloco").setLevel(logging.WARNING)
     slow = args.slow_mb_per_s * MB
-    plan = [(args.throttled_model, v, bw) for v in ("v2", "proposed", "v1") for bw in (None, slow)]
+    plan = [(args.throttled_model, v, bw) for v in ("v2", "before", "v1") for bw in (None, slow)]
     if args.large_model:  # v1's contrast is shown on the throttled model
-        plan += [(args.large_model, v, None) for v in ("v2", "proposed")]
+        plan += [(args.large_model, v, None) for v in ("v2", "before")]
     if args.tiny:
-        plan = [("micro", v, bw) for v in ("v2", "proposed", "v1") for bw in (None, 100 * MB)]
+        plan = [("micro", v, bw) for v in ("v2", "before", "v1") for bw in (None, 100 * MB)]
     rows, details, profiles = [], [], {}
     for model_name, version, bw in plan:
         shapes = model_shapes(model_name)
@@ -308,14 +260,14 @@ def main(argv=None) -> int:
                 "mode": {
                     "v2": "v2 (async upload)",
                     "v1": "v1 (sync upload)",
-                    "proposed": "v2 proposed (one copy)",
+                    "before": "v2 before (delta + copy)",
                 }[version],
                 "link": "unlimited" if bw is None else f"{bw / MB:g} MB/s",
                 "delta MB": (d["delta_bytes"] or 0) / MB,
                 "stall s": stall,
                 "floor s (one copy)": floor,
                 "x_floor": d["x_floor"],
-                "target": TARGET if version != "v1" else None,
+                "target": TARGET if version == "v2" else None,
                 "skipped-boundary stall s": d["skipped_stall"]["median"] if d["skipped_stall"] else None,
             }
         )
@@ -360,8 +312,9 @@ def main(argv=None) -> int:
         "copies taken right before each measured boundary; x_floor is the median over boundaries of stall / floor.",
         "Skipped-boundary stall: a v2 boundary reached while the previous upload is still in flight (it "
         "captures nothing; its progress goes into the next delta).",
-        "'v2 proposed' is a bench-only subclass of Coordinator (not in src/): the boundary copies the weights "
-        "once into a reused buffer; the uploader computes the delta. It shows the floor is reachable.",
+        "v2 is the project's boundary: one copy of the weights into a reused snapshot buffer; the uploader "
+        "thread computes the delta. 'v2 before' is a bench-only subclass with the boundary as it was before "
+        "(delta and a fresh baseline copy on the training thread), for contrast.",
     ]
     bc.write(
         "boundary",

@@ -119,7 +119,7 @@ def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
 def test_boundary(tmp_path):
     record = run_tiny("bench_boundary", tmp_path)
     modes = {r["mode"] for r in record["rows"]}
-    assert modes == {"v2 (async upload)", "v2 proposed (one copy)", "v1 (sync upload)"}
+    assert modes == {"v2 (async upload)", "v2 before (delta + copy)", "v1 (sync upload)"}
     for d in record["details"]:  # every measured boundary uploaded its delta through the throttled link
         assert d["uploads"] >= 1 and d["bytes_uploaded"] >= d["delta_bytes"] > 0
 

@@ -264,6 +264,43 @@ def test_v2_failed_upload_is_carried_even_across_an_install(tmp_path):
     assert torch.allclose(d6["w"], torch.full((2, 2), -0.75))  # the failed -0.5 plus -0.25 on the new global
 
 
+def test_v2_reused_snapshot_buffers_give_exact_deltas_across_installs_and_failures(tmp_path):
+    """The v2 boundary copies the weights once into a buffer reused from two boundaries back, and the
+    uploader subtracts. Eight boundaries with a failed upload and an install between them: every delta
+    on disk is exactly float32(state at the previous capture or install) - float32(now) (+ the carry),
+    and no more than two snapshot buffers are ever allocated."""
+    coord, repo, model = worker(tmp_path, inner_steps=1, async_delta_upload=True, async_global_poll=False)
+    reference = {k: t.float().clone() for k, t in model.state_dict().items() if t.is_floating_point()}
+    expected, carry, buffers = {}, None, set()
+    for step in range(1, 9):
+        nudge(model, 0.125 * step)  # a different, exactly representable change each round
+        if step == 4:
+            repo.fail_writes = 1  # this delta is carried into step 5's
+        now = {k: t.float().clone() for k, t in model.state_dict().items() if t.is_floating_point()}
+        want = {k: reference[k] - now[k] for k in now}
+        if carry is not None:
+            want = {k: want[k] + carry[k] for k in want}
+        if step == 6:  # a new global arrives: installed right after this boundary's capture
+            new = {k: t + 2 if t.is_floating_point() else t for k, t in model.state_dict().items()}
+            publish(repo.inner, new, 1)
+        installed = coord.on_step(step).installed
+        _wait(lambda: not coord._uploader.busy)
+        coord._collect_lanes()
+        buffers.add(id(coord._baseline)) if not installed else None
+        carry = want if step == 4 else None
+        if step != 4:
+            expected[step] = want
+        reference = {k: t.float().clone() for k, t in model.state_dict().items() if t.is_floating_point()}
+        assert installed == (step == 6)
+    coord.close()
+    assert sorted(expected) == [1, 2, 3, 5, 6, 7, 8]
+    for step, want in expected.items():
+        got, _ = read_delta(repo, "w1", step)
+        for k in want:
+            assert torch.equal(got[k], want[k]), (step, k)
+    assert coord.upload_failures == 1 and len(buffers) == 2
+
+
 def test_v2_polls_in_the_background_and_installs_on_the_training_thread(tmp_path):
     clock = FakeClock()
     coord, repo, model = worker(tmp_path, clock=clock, async_global_poll=True)

@@ -19,10 +19,12 @@ A global is installed only at a boundary right after the local progress was capt
 installing between boundaries would throw that progress away. The master's training thread gets its
 globals from its own outer loop (master.py) through a snapshot callback instead of polling.
 
-v2 (default): the training thread only snapshots and subtracts; a daemon uploader encodes and writes
-(one job at a time: a boundary that finds a job in flight is skipped, its progress stays in the next
-cumulative delta), and a daemon poll lane downloads and validates globals, which the training thread
-installs. `async_delta_upload: false` / `async_global_poll: false` restore the v1 behaviour (all I/O
+v2 (default): at a boundary the training thread only copies the weights once, into a snapshot buffer
+reused from two boundaries back, and that snapshot becomes the new baseline; a daemon uploader computes
+the delta (old baseline - snapshot, plus any carry), encodes and writes it, then hands the old baseline's
+buffer back for reuse (one job at a time: a boundary that finds a job in flight is skipped, its progress
+stays in the next cumulative delta). A daemon poll lane downloads and validates globals, which the
+training thread installs. `async_delta_upload: false` / `async_global_poll: false` restore the v1 behaviour (all I/O
 on the training thread). Reference: docs/dumb_diloco.md.
 """
 
@@ -239,6 +241,16 @@ class Settings:
         return self.role == "master"
 
 
+def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for all i: one fused call when everything is on the CPU, else per tensor
+    (a device-to-host copy, synchronous, so the snapshot is complete when this returns)."""
+    if all(t.device.type == "cpu" for t in src):
+        torch._foreach_copy_(dst, src)
+    else:
+        for d, t in zip(dst, src):
+            d.copy_(t)
+
+
 def _node_id(key: str, value: Any) -> str:
     try:
         return validate_node_id(value)
@@ -249,15 +261,37 @@ def _node_id(key: str, value: Any) -> str:
 # --------------------------------------------------------------------------- background lanes
 
 
-@dataclass(frozen=True)
+class _Snapshot(dict):
+    """Model-dtype CPU copies of the delta entries that this coordinator allocated (so it may reuse
+    them once no baseline or job refers to them); an installed global's tensors are never reused."""
+
+
+@dataclass
 class DeltaJob:
-    """One immutable upload: the training thread made it, the uploader only reads it."""
+    """One upload. The training thread fills in base, snapshot and carry (the one copy it makes is the
+    snapshot); `materialize` computes the delta, on the uploader thread in v2."""
 
     local_step: int
     path: str
-    delta: dict[str, torch.Tensor]  # float32 pseudo-gradient, owned by the job
     meta: DeltaMeta
     steps: int  # optimizer steps the delta covers
+    base: dict[str, torch.Tensor] | None = None  # the baseline the delta is taken against
+    snapshot: dict[str, torch.Tensor] | None = None  # the weights at this boundary (the new baseline)
+    carry: _Carry | None = None  # a failed upload's delta, added to this one
+    delta: dict[str, torch.Tensor] | None = None  # float32 pseudo-gradient, owned by the job
+
+    def materialize(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """float32(base) - float32(snapshot) (+ carry). Returns the delta and the base's buffers when
+        they are free for reuse (the baseline has moved on to the snapshot). Idempotent."""
+        if self.delta is not None:
+            return self.delta, None
+        delta = pseudo_gradient(self.base, self.snapshot)
+        if self.carry is not None:
+            for k, t in self.carry.delta.items():
+                delta[k].add_(t)
+        free = self.base if isinstance(self.base, _Snapshot) else None
+        self.delta, self.base, self.snapshot, self.carry = delta, None, None, None
+        return delta, free
 
 
 @dataclass
@@ -383,8 +417,11 @@ class Coordinator:
 
         self.started = False
         self.closed = False
-        self._baseline: dict[str, torch.Tensor] = {}  # model-dtype CPU copies, never mutated in place
+        self._baseline: dict[str, torch.Tensor] = {}  # model-dtype CPU copies (see _Snapshot)
         self._carry: _Carry | None = None
+        # free snapshot buffers: a baseline the uploader has subtracted, or one an install replaced. Only
+        # taken at a capture, which waits for an idle uploader, so no job still reads them (at most 2).
+        self._free: list[_Snapshot] = []
         self._steps_since_capture = 0
         self._staged: GlobalSnapshot | None = None
         self._stage_lock = threading.Lock()
@@ -676,19 +713,18 @@ class Coordinator:
         return result
 
     def _capture(self, local_step: int) -> DeltaJob:
-        """Step 3: the cumulative pseudo-gradient since the baseline (plus a failed upload's), and the
-        baseline moves to the current weights."""
+        """Step 3: one copy of the current weights becomes the new baseline; the job computes the
+        cumulative pseudo-gradient float32(old baseline) - float32(snapshot), plus a failed upload's."""
         state = self.model.state_dict()
-        current = {k: state[k] for k in self._delta_keys}
-        delta = pseudo_gradient(self._baseline, current)  # float32(baseline) - float32(current)
+        snapshot = self._free.pop() if self._free else None
+        if snapshot is None:
+            snapshot = _Snapshot({k: torch.empty_like(state[k], device="cpu") for k in self._delta_keys})
+        _copy_into([snapshot[k] for k in self._delta_keys], [state[k].detach() for k in self._delta_keys])
+        base, carry = self._baseline, self._carry
+        self._baseline, self._carry = snapshot, None
         base_outer_step, steps = self.installed_outer_step, self._steps_since_capture
-        if self._carry is not None:
-            for k, t in self._carry.delta.items():
-                delta[k].add_(t)
-            base_outer_step = min(base_outer_step, self._carry.base_outer_step)
-            steps += self._carry.steps
-            self._carry = None
-        self._baseline = {k: t.detach().to("cpu", copy=True) for k, t in current.items()}
+        if carry is not None:
+            base_outer_step, steps = min(base_outer_step, carry.base_outer_step), steps + carry.steps
         self._steps_since_capture = 0
         meta = DeltaMeta(
             node_id=self.s.node_id,
@@ -697,7 +733,8 @@ class Coordinator:
             tokens_since_baseline=steps * self.tokens_per_step,
             samples_since_baseline=steps * self.samples_per_step,
         )
-        return DeltaJob(local_step, delta_path(self.s.node_id, local_step), delta, meta, steps)
+        path = delta_path(self.s.node_id, local_step)
+        return DeltaJob(local_step, path, meta, steps, base=base, snapshot=snapshot, carry=carry)
 
     def _dispatch(self, job: DeltaJob) -> None:
         """Step 4: v2 hands the job to the uploader thread; v1 uploads here."""
@@ -713,7 +750,10 @@ class Coordinator:
             self._upload_done(_Outcome(job, value=n, seconds=time.perf_counter() - t0))
 
     def _send(self, job: DeltaJob) -> int:
-        blob = encode(job.delta, job.meta.to_header())
+        delta, free = job.materialize()
+        if free is not None:
+            self._free.append(free)  # the training thread takes it at the next boundary, after this job
+        blob = encode(delta, job.meta.to_header())
         self.transport.write(
             {job.path: blob}, message=f"{self.s.node_id}: delta at local step {job.local_step}"
         )
@@ -731,10 +771,11 @@ class Coordinator:
             )
             return
         self.upload_failures += 1
+        delta, _ = job.materialize()  # already done unless the failure came before the subtraction
         if self._carry is None:
-            self._carry = _Carry(job.delta, job.meta.base_outer_step, job.steps)
+            self._carry = _Carry(delta, job.meta.base_outer_step, job.steps)
         else:  # cannot happen with one job in flight, but never drop progress
-            for k, t in job.delta.items():
+            for k, t in delta.items():
                 self._carry.delta[k].add_(t)
             self._carry.steps += job.steps
         log.warning(
@@ -871,6 +912,8 @@ class Coordinator:
         with torch.no_grad():
             for k, t in self.model.state_dict().items():
                 t.copy_(snapshot.state[k])
+        if isinstance(self._baseline, _Snapshot):  # reusable once the job in flight (if any) is done
+            self._free.append(self._baseline)
         self._baseline = {k: snapshot.state[k] for k in self._delta_keys}  # the snapshot is never mutated
         self._steps_since_capture = 0
         self.installed_outer_step = snapshot.outer_step
