@@ -96,13 +96,14 @@ def machine() -> dict:
 
 
 def commit() -> str:
-    """HEAD's sha, with -dirty when tracked files differ from it."""
+    """HEAD's sha, with -dirty when tracked files other than the records in results/ differ from it
+    (`make bench` rewrites those as it goes)."""
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results"],
             cwd=ROOT,
             capture_output=True,
             text=True,

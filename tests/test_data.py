@@ -7,9 +7,19 @@ import gzip
 import json
 
 import pytest
+import torch
 from trainer_utils import compose_cfg
 
-from diloco.data import IGNORE_INDEX, DataError, SequenceStream, document_stream, eval_batches, load_tokenizer
+from diloco.data import (
+    IGNORE_INDEX,
+    DataError,
+    SequenceStream,
+    cut_document,
+    document_stream,
+    eval_batches,
+    load_tokenizer,
+    prefix_cut_chars,
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +95,56 @@ def test_packing_fills_every_position(data_cfg, tok):
     batch = SequenceStream(cfg, tok, "train", 0, 1).next_batch(32)
     assert batch.input_ids.shape == (32, 64) and batch.num_target_tokens == 32 * 64
     assert (batch.input_ids == tok.eos_token_id).any()  # documents are separated by </s>
+
+
+HOSTILE = [
+    "Hello world.  Two  spaces,\tthen a tab\n\nand   three\r\n lines; don't, we'll, it's 12,345.67 ok?!",
+    "  leading spaces and trailing ones   ",
+    "mixed\u3000ideographic\u00a0no-break\u2009thin\u2028line sep\x1f unit sep \x0bvt end",
+    "punct...!!! ??? --- *** ((nested)) [x] {y} </s> <s> literal specials </s>after",
+    "digits 0001 2 33 444 5555 and 3.14159e-10, x2y3z 2024-11-29T11:16",
+    "unicode: naïve café Ünïcödé 😀 emoji 😀😀 中文 字符 and ﬁ ligature  done",
+    "a" * 50 + " " + "b" * 3 + "  \n  " + "c" * 20,
+]
+
+
+def test_tokens_of_a_cut_document_are_a_prefix_of_the_whole_documents(tok):
+    """The property prefix_cut_chars relies on, at every possible cut of hostile texts: whitespace runs,
+    unicode spaces, control characters, specials written out, digits, contractions, emoji."""
+    assert prefix_cut_chars(tok, 64) == 256  # the sample's tokenizer qualifies
+    for text in HOSTILE:
+        whole = tok(text, add_special_tokens=False)["input_ids"]
+        for chars in range(len(text) + 1):
+            cut = cut_document(text, chars)
+            assert text.startswith(cut) and (cut is text or len(cut) >= chars)
+            ids = tok(cut, add_special_tokens=False)["input_ids"]
+            assert whole[: len(ids)] == ids, (text, chars)
+
+
+def test_cutting_long_documents_changes_no_sequence(data_cfg, tok):
+    """The shortcut against whole documents, on the sample's train and eval splits (seq_len 64), with
+    cut points from 1 character per token (most prefixes fall short and are redone) to the default 4."""
+    for split, chars in (("train", 64), ("train", 256), ("validation", 96)):
+        fast = SequenceStream(data_cfg, tok, split, 0, 1, wrap=False)
+        slow = SequenceStream(data_cfg, tok, split, 0, 1, wrap=False)
+        fast.cut_chars, slow.cut_chars = chars, 0
+        for _ in range(25):
+            a, b = fast.next_batch(16), slow.next_batch(16)
+            assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+        assert fast.cut_chars > chars or chars == 256  # the fallback ran (and the cut point grew)
+
+
+def test_tokenizers_that_may_merge_across_a_cut_get_whole_documents(tok):
+    import copy as copymod
+
+    from tokenizers import normalizers, pre_tokenizers
+
+    other = copymod.deepcopy(tok)
+    other.backend_tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()  # Mistral/Llama style
+    assert prefix_cut_chars(other, 64) == 0
+    other = copymod.deepcopy(tok)
+    other.backend_tokenizer.normalizer = normalizers.NFKC()
+    assert prefix_cut_chars(other, 64) == 0
 
 
 @pytest.mark.parametrize("packing", [False, True])

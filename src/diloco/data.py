@@ -25,6 +25,7 @@ import copy
 import gzip
 import hashlib
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,38 @@ def load_tokenizer(name_or_path: str):
     # start at 0, and no attention mask is needed (SDPA keeps its fast causal path).
     tok.padding_side = "right"
     return tok
+
+
+_CUT = re.compile(r"(?<=\S)\s")  # a whitespace character right after a non-whitespace one
+
+
+def prefix_cut_chars(tokenizer, seq_len: int) -> int:
+    """Characters after which a document may be cut before tokenising it into a padded sequence
+    (0: never). Only for tokenizers whose tokens provably never cross such a cut: no normalizer, the
+    GPT-2 regex byte-level pre-tokenizer (a pre-token never spans a whitespace character preceded by a
+    non-whitespace one), a BPE model (pre-tokens are encoded independently), and no added token that
+    contains whitespace. Then the tokens of the cut text are a prefix of the whole text's tokens, so
+    truncating either to seq_len gives the same sequence whenever the cut one did not need padding.
+    Mistral's tokenizer (Metaspace) does not qualify and is always given whole documents."""
+    from tokenizers import pre_tokenizers
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None or type(backend.model).__name__ != "BPE":
+        return 0
+    pre = backend.pre_tokenizer
+    if not isinstance(pre, pre_tokenizers.ByteLevel) or not getattr(pre, "use_regex", False):
+        return 0
+    if any(c.isspace() for t in tokenizer.get_added_vocab() for c in t):
+        return 0
+    return 4 * seq_len  # grows when a cut turns out too short (chars per token above 4)
+
+
+def cut_document(text: str, chars: int) -> str:
+    """text up to the first whitespace character at or after `chars` that follows a non-whitespace one."""
+    if chars <= 0 or len(text) <= chars:
+        return text
+    m = _CUT.search(text, chars)
+    return text if m is None else text[: m.start()]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -167,6 +200,7 @@ class SequenceStream:
         self._docs: Iterator | None = None
         self._ds_state = self.ds.state_dict()
         self._init_state = copy.deepcopy(self._ds_state)
+        self.cut_chars = 0 if self.packing else prefix_cut_chars(tokenizer, self.seq_len)
 
     # -- position ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -214,17 +248,31 @@ class SequenceStream:
             texts = self._next_texts(batch_size)
             if not texts:
                 return None
-            enc = self.tok(
-                texts,
-                max_length=self.seq_len,
-                truncation=True,
-                padding="max_length",
-                return_tensors="pt",
-            )
-            ids = enc["input_ids"]
+            ids = self._padded(texts)
             labels = ids.masked_fill(ids == self.tok.pad_token_id, IGNORE_INDEX)
         self._ds_state = self.ds.state_dict()
         return Batch(ids.long(), labels.long())
+
+    def _encode(self, texts: list[str]) -> dict:
+        return self.tok(
+            texts, max_length=self.seq_len, truncation=True, padding="max_length", return_tensors="pt"
+        )
+
+    def _padded(self, texts: list[str]) -> torch.Tensor:
+        """One document per row, truncated and padded to seq_len. Long documents are tokenised from a
+        prefix (see prefix_cut_chars); a row whose prefix fell short is redone from the whole text."""
+        short = [cut_document(t, self.cut_chars) for t in texts]
+        enc = self._encode(short)
+        ids = enc["input_ids"]
+        redo = [
+            i
+            for i, (a, b) in enumerate(zip(short, texts))
+            if a is not b and not enc["attention_mask"][i].all()
+        ]
+        if redo:
+            ids[redo] = self._encode([texts[i] for i in redo])["input_ids"]
+            self.cut_chars = self.cut_chars * 3 // 2  # fewer fallbacks from now on
+        return ids
 
     def _packed(self, batch_size: int) -> torch.Tensor | None:
         need = batch_size * self.seq_len
