@@ -226,6 +226,47 @@ def test_complex_nan_rejected():
         decode(blob, max_bytes=CAP)
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64]
+)
+def test_finite_check_is_exact_where_a_sum_would_mislead(dtype):
+    """decode's finite check sums first: Inf and -Inf together, a lone NaN deep in a large tensor and
+    finite values whose sum overflows must all get the exact answer."""
+    big = torch.finfo(
+        torch.float32 if dtype.is_complex else dtype
+    ).max  # overflows a float32 sum but float16's
+    for values, finite in (
+        ([float("inf"), float("-inf")], False),
+        ([big, big, big], True),  # finite; the float32 sum overflows
+        ([-big, big, float("nan")], False),
+    ):
+        t = torch.zeros(100_003, dtype=dtype)
+        t[-len(values) :] = torch.tensor(values, dtype=torch.float64).to(dtype)
+        blob = encode({"a": t}, {})
+        if finite:
+            assert torch.equal(decode(blob, max_bytes=2**24)[0]["a"], t)
+        else:
+            with pytest.raises(InvalidTensorFile, match="NaN or Inf"):
+                decode(blob, max_bytes=2**24)
+
+
+def test_encoded_bytes_are_one_safetensors_file_with_the_payload_digest():
+    """encode patches the digest into the header without copying the payload twice: the result is
+    still exactly safetensors' own output with the digest in place of the placeholder."""
+    tensors = {"a": torch.randn(64, 3), "b": torch.arange(10, dtype=torch.int64)}
+    blob = encode(tensors, {"k": "v"})
+    header = parse_header(blob, file_size=len(blob))
+    digest = hashlib.sha256(blob[header.payload_offset :]).hexdigest()
+    assert header.metadata["payload_sha256"] == digest
+    meta = {
+        "k": "v",
+        "format_version": header.metadata["format_version"],
+        "payload_sha256": tf._SHA_PLACEHOLDER,
+    }
+    reference = st_save(tensors, metadata=meta).replace(tf._SHA_PLACEHOLDER.encode(), digest.encode())
+    assert blob == reference
+
+
 def test_format_version_required():
     payload = bytes(8)
     header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}

@@ -469,16 +469,28 @@ def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
             seen_storages.add(ptr)
         prepared[name] = t
     meta = {**metadata, META_FORMAT_VERSION: FORMAT_VERSION, META_PAYLOAD_SHA256: _SHA_PLACEHOLDER}
-    blob = bytearray(_st_save(prepared, metadata=meta))
-    (header_len,) = struct.unpack("<Q", bytes(blob[:8]))
+    blob = _st_save(prepared, metadata=meta)
+    (header_len,) = struct.unpack("<Q", blob[:8])
     payload_start = 8 + header_len
-    digest = hashlib.sha256(memoryview(blob)[payload_start:]).hexdigest()
+    payload = memoryview(blob)[payload_start:]
+    digest = hashlib.sha256(payload).hexdigest()
     needle = _SHA_PLACEHOLDER.encode()
-    at = blob.find(needle, 8, payload_start)
-    if at < 0 or blob.find(needle, at + 1, payload_start) >= 0:
+    head = blob[:payload_start]  # only the header is copied to patch the digest in (same length)
+    at = head.find(needle, 8)
+    if at < 0 or head.find(needle, at + 1) >= 0:
         raise RuntimeError("could not place payload_sha256 in the safetensors header")
-    blob[at : at + len(needle)] = digest.encode()
-    return bytes(blob)
+    return b"".join((head[:at], digest.encode(), head[at + len(needle) :], payload))
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in t. Fast path: one float32 sum, which is finite only if every element is (NaN
+    and Inf propagate; Inf + -Inf is NaN). A sum that is not finite (a bad element, or finite values
+    whose sum overflows) is settled by the exact element-wise check."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if bool(torch.isfinite(torch.sum(t, dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(t).all())
 
 
 def _torch_dtype_name(dtype: torch.dtype) -> str:
@@ -549,7 +561,7 @@ def decode(
         raise InvalidTensorFile(f"safetensors refused the file: {str(err).splitlines()[0]}") from None
     if require_finite:
         for name, t in tensors.items():
-            if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+            if (t.is_floating_point() or t.is_complex()) and not _all_finite(t):
                 raise InvalidTensorFile(f"tensor {name!r} holds NaN or Inf")
     return tensors, meta
 
