@@ -12,8 +12,8 @@ v2 (async_delta_upload: true, the default) must not depend on the link speed and
 1.5x of the floor: copying the model's state once (`torch._foreach_copy_` into buffers allocated
 beforehand, measured in the same run). v1 (all I/O on the training thread) is shown for contrast. A
 "v2 before" row runs a bench-only subclass with the boundary as it was before the one-copy change (the
-subtraction and a fresh baseline copy on the training thread), so the gain stays visible. A v2 boundary that
-finds an upload in flight is skipped; its stall is reported too.
+subtraction and a fresh baseline copy on the training thread), so the gain stays visible. A v2 boundary
+that finds an upload in flight is skipped; its stall is reported too.
 
     python scripts/bench_boundary.py         # 14m at 10 MB/s and unlimited, 150m unlimited; ~4 minutes
     python scripts/bench_boundary.py --tiny

@@ -20,6 +20,15 @@ from diloco.dumb_diloco.tensor_format import (
 )
 from diloco.dumb_diloco.transport import DirectoryTransport, TransientError
 
+LR, MU = 0.7, 0.9  # the spec's outer optimizer
+W0 = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # Tiny's initial weights
+B0 = torch.tensor([0.5, -0.5])
+
+
+def g(value: float) -> dict[str, torch.Tensor]:
+    """A delta for Tiny with every entry equal to `value` (w [2,2], b [2])."""
+    return {"w": torch.full((2, 2), value), "b": torch.full((2,), value)}
+
 
 class Tiny(torch.nn.Module):
     """Two float parameters and an integer buffer (published in globals, never part of a delta);
@@ -27,8 +36,8 @@ class Tiny(torch.nn.Module):
 
     def __init__(self, complex_param: bool = False, bf16: bool = False):
         super().__init__()
-        self.w = torch.nn.Parameter(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
-        self.b = torch.nn.Parameter(torch.tensor([0.5, -0.5]))
+        self.w = torch.nn.Parameter(W0.clone())
+        self.b = torch.nn.Parameter(B0.clone())
         self.register_buffer("count", torch.tensor([7], dtype=torch.int64))
         if complex_param:
             self.z = torch.nn.Parameter(torch.tensor([1 + 2j, -1 + 0.5j], dtype=torch.complex64))

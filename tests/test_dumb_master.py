@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from dumb_helpers import Spy, Tiny, put_delta, settings
+from dumb_helpers import B0, LR, MU, W0, Spy, Tiny, g, put_delta, settings
 
 from diloco.dumb_diloco.coordinator import Coordinator
 from diloco.dumb_diloco.master import MasterState, OuterLoop, nesterov_outer_step
@@ -28,15 +28,6 @@ from diloco.dumb_diloco.tensor_format import (
 from diloco.dumb_diloco.transport import DirectoryTransport, TransientError
 
 pytestmark = pytest.mark.usefixtures("no_network")
-
-LR, MU = 0.7, 0.9
-W0 = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-B0 = torch.tensor([0.5, -0.5])
-
-
-def g(value: float) -> dict[str, torch.Tensor]:
-    """A delta with every entry equal to `value` (for Tiny: w [2,2], b [2])."""
-    return {"w": torch.full((2, 2), value), "b": torch.full((2,), value)}
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import struct
 
 import pytest
 import torch
-from dumb_helpers import Tiny, put_delta
+from dumb_helpers import LR, MU, W0, Tiny, g, put_delta
 
 from diloco.dumb_diloco.master import GLOBAL_LEDGER_PATH, MasterState, OuterLoop
 from diloco.dumb_diloco.tensor_format import DeltaMeta, delta_path, encode
@@ -18,13 +18,7 @@ from diloco.dumb_diloco.transport import DirectoryTransport, RemoteFile
 
 pytestmark = pytest.mark.usefixtures("no_network")
 
-LR, MU = 0.7, 0.9
-W0 = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
 CAP = 4096
-
-
-def g(value: float) -> dict[str, torch.Tensor]:
-    return {"w": torch.full((2, 2), value), "b": torch.full((2,), value)}
 
 
 class Planted:

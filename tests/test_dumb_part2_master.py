@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from dumb_helpers import Spy, Tiny, put_delta, settings
+from dumb_helpers import Spy, Tiny, g, put_delta, settings
 
 from diloco.dumb_diloco.coordinator import Coordinator, DumbDiLoCoError
 from diloco.dumb_diloco.master import (
@@ -23,10 +23,6 @@ from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PA
 from diloco.dumb_diloco.transport import DirectoryTransport
 
 pytestmark = pytest.mark.usefixtures("no_network")
-
-
-def g(value: float) -> dict[str, torch.Tensor]:
-    return {"w": torch.full((2, 2), value), "b": torch.full((2,), value)}
 
 
 def master(tmp_path, node_id="m", state_dir=None, spy=False, **kw) -> Coordinator:

@@ -5,21 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dumb_helpers import Tiny, put_delta, settings
+from dumb_helpers import B0, LR, MU, W0, Tiny, g, put_delta, settings
 
 from diloco.dumb_diloco.coordinator import Coordinator, Settings
 from diloco.dumb_diloco.master import MasterState, OuterLoop
 from diloco.dumb_diloco.transport import DirectoryTransport
 
 pytestmark = pytest.mark.usefixtures("no_network")
-
-LR, MU = 0.7, 0.9
-W0 = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-B0 = torch.tensor([0.5, -0.5])
-
-
-def g(value: float) -> dict[str, torch.Tensor]:
-    return {"w": torch.full((2, 2), value), "b": torch.full((2,), value)}
 
 
 def make_loop(tmp_path, state: MasterState | None = None, **kw) -> tuple[OuterLoop, DirectoryTransport]:

@@ -24,8 +24,8 @@ reused from two boundaries back, and that snapshot becomes the new baseline; a d
 the delta (old baseline - snapshot, plus any carry), encodes and writes it, then hands the old baseline's
 buffer back for reuse (one job at a time: a boundary that finds a job in flight is skipped, its progress
 stays in the next cumulative delta). A daemon poll lane downloads and validates globals, which the
-training thread installs. `async_delta_upload: false` / `async_global_poll: false` restore the v1 behaviour (all I/O
-on the training thread). Reference: docs/dumb_diloco.md.
+training thread installs. `async_delta_upload: false` / `async_global_poll: false` restore the v1
+behaviour (all I/O on the training thread). Reference: docs/dumb_diloco.md.
 """
 
 from __future__ import annotations
