@@ -5,10 +5,14 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
+from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from diloco.dumb_diloco import tensor_format as tf
@@ -251,20 +255,50 @@ def test_finite_check_is_exact_where_a_sum_would_mislead(dtype):
 
 
 def test_encoded_bytes_are_one_safetensors_file_with_the_payload_digest():
-    """encode patches the digest into the header without copying the payload twice: the result is
-    still exactly safetensors' own output with the digest in place of the placeholder."""
-    tensors = {"a": torch.randn(64, 3), "b": torch.arange(10, dtype=torch.int64)}
-    blob = encode(tensors, {"k": "v"})
+    """encode writes safetensors' own payload under a canonical header (sorted keys, no spaces, padded
+    to 8 bytes) that holds the payload's digest; safetensors reads it back."""
+    tensors = {"b": torch.arange(10, dtype=torch.int64), "a": torch.randn(64, 3)}
+    blob = encode(tensors, {"k": "v", "a-key": "w"})
     header = parse_header(blob, file_size=len(blob))
+    reference = st_save(tensors)
+    (ref_len,) = struct.unpack("<Q", reference[:8])
+    assert blob[header.payload_offset :] == reference[8 + ref_len :]
     digest = hashlib.sha256(blob[header.payload_offset :]).hexdigest()
-    assert header.metadata["payload_sha256"] == digest
-    meta = {
-        "k": "v",
-        "format_version": header.metadata["format_version"],
-        "payload_sha256": tf._SHA_PLACEHOLDER,
+    assert header.metadata == {"k": "v", "a-key": "w", "format_version": "1", "payload_sha256": digest}
+    (n,) = struct.unpack("<Q", blob[:8])
+    assert n % 8 == 0 and header.payload_offset == 8 + n
+    text = blob[8 : 8 + n].rstrip(b" ")
+    assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":")).encode()
+    loaded = st_load(blob)
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items()) and set(loaded) == set(tensors)
+
+
+_ENCODE_IN_A_FRESH_PROCESS = """
+import hashlib, sys, torch
+from diloco.dumb_diloco.tensor_format import encode
+g = torch.Generator().manual_seed(0)
+tensors = {f"layer{i}.weight": torch.randn(7, 5, generator=g) for i in range(12)}
+tensors["step"] = torch.arange(3)
+meta = {f"key{i:02d}": f"value{i}" for i in range(16)}
+sys.stdout.write(hashlib.sha256(encode(tensors, meta)).hexdigest())
+"""
+
+
+def test_same_tensors_and_metadata_give_the_same_bytes_in_every_process():
+    """safetensors writes its metadata from a hash map (a new order in every process): the canonical
+    header makes the bytes, and so the Hub blob, a function of the content alone."""
+    env = {**os.environ, "PYTHONHASHSEED": "random"}
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", _ENCODE_IN_A_FRESH_PROCESS],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for _ in range(2)
     }
-    reference = st_save(tensors, metadata=meta).replace(tf._SHA_PLACEHOLDER.encode(), digest.encode())
-    assert blob == reference
+    assert len(digests) == 1
 
 
 def test_format_version_required():

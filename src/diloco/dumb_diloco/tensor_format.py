@@ -171,9 +171,6 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _TORCH_DTYPES.items()}
 _DELTA_DTYPES = ("float32", "bfloat16", "float16", "float64")
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _DELTA_NAME_RE = re.compile(r"^delta_(0|[1-9][0-9]*)\.safetensors$")
-# Placeholder patched in place after serialisation: same length as a hex SHA-256, so the header
-# length (and every offset) stays the same.
-_SHA_PLACEHOLDER = "f" * 23 + "payload-sha256-pending" + "f" * 19
 
 
 class InvalidTensorFile(ValueError):
@@ -468,18 +465,27 @@ def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
         elif ptr:
             seen_storages.add(ptr)
         prepared[name] = t
-    meta = {**metadata, META_FORMAT_VERSION: FORMAT_VERSION, META_PAYLOAD_SHA256: _SHA_PLACEHOLDER}
-    blob = _st_save(prepared, metadata=meta)
-    (header_len,) = struct.unpack("<Q", blob[:8])
-    payload_start = 8 + header_len
-    payload = memoryview(blob)[payload_start:]
-    digest = hashlib.sha256(payload).hexdigest()
-    needle = _SHA_PLACEHOLDER.encode()
-    head = blob[:payload_start]  # only the header is copied to patch the digest in (same length)
-    at = head.find(needle, 8)
-    if at < 0 or head.find(needle, at + 1) >= 0:
-        raise RuntimeError("could not place payload_sha256 in the safetensors header")
-    return b"".join((head[:at], digest.encode(), head[at + len(needle) :], payload))
+    blob = _st_save(prepared)  # safetensors lays the payload out deterministically (dtype, then name)
+    (st_header_len,) = struct.unpack("<Q", blob[:8])
+    payload = memoryview(blob)[8 + st_header_len :]
+    header = json.loads(blob[8 : 8 + st_header_len])
+    header.pop("__metadata__", None)
+    header["__metadata__"] = {
+        **metadata,
+        META_FORMAT_VERSION: FORMAT_VERSION,
+        META_PAYLOAD_SHA256: hashlib.sha256(payload).hexdigest(),
+    }
+    return canonical_header(header) + payload
+
+
+def canonical_header(header: dict) -> bytes:
+    """The 8-byte length and the JSON header in one canonical form: keys sorted, no spaces, padded
+    with spaces to a multiple of 8 as safetensors does. safetensors itself writes `__metadata__` from
+    a hash map (a different key order on every call), so the same tensors and metadata would give
+    different bytes, and a different Hub blob, in every process."""
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
 
 
 def _all_finite(t: torch.Tensor) -> bool:
