@@ -1,7 +1,11 @@
 # The menu: `make help`.
 SHELL := /bin/bash
 PY := .venv/bin/python
-TORCH_VERSION ?= 2.13.0
+PYTHON ?= python3
+# Every package of .venv, dev tools included, at an exact version (README: Tested versions).
+LOCK := requirements/lock.txt
+TORCH_VERSION := $(shell sed -n 's/^torch==//p' $(LOCK) 2>/dev/null)
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 export OMP_NUM_THREADS ?= 2
 
 DRY_RUN ?= 0
@@ -10,25 +14,48 @@ FAMILY ?= tiny
 NODES_FILE ?= configs/local/nodes.txt
 export NODES_FILE
 
-.PHONY: help setup demo test lint clean replicate-tiny replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
+.PHONY: help setup lock check-lock demo test test-gpu lint clean replicate-tiny replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
 
 help:  ## list what can be run
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-18s %s\n", $$1, $$2}'
 
-.venv/.installed: pyproject.toml
-	@test -d .venv || python3 -m venv .venv
-	$(PY) -m pip install -q --upgrade pip
-	@# No CUDA here: install the CPU wheel first so the torch range in pyproject pulls no CUDA build.
+# torch first, so nothing after it pulls a CUDA build where there is no CUDA: the CPU wheel from
+# PyTorch's CPU index, or one on local disk (pip's find-links); `==X+cpu` matches no PyPI wheel, so
+# without either this fails rather than download the CUDA build. With CUDA, PyPI's torch==X, and pip
+# adds the nvidia-* and triton wheels it needs (not in the lock, which is made on CPU). Then the lock,
+# then the project itself without dependencies: `pip check` fails if pyproject needs what the lock lacks.
+install_torch_cpu = $(1) -m pip install -q --no-deps "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX) \
+	--retries 0 --timeout 15 || $(1) -m pip install -q --no-deps "torch==$(TORCH_VERSION)+cpu"
+
+.venv/.installed: pyproject.toml $(LOCK)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { echo "make setup: needs Python 3.11+ (PYTHON=$(PYTHON))"; exit 1; }
+	@test -d .venv || $(PYTHON) -m venv .venv
+	$(PY) -m pip install -q $$(grep -E '^(pip|setuptools)==' $(LOCK))
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-		$(PY) -m pip install -q "torch>=2.4,<2.15"; \
+		$(PY) -m pip install -q "torch==$(TORCH_VERSION)" -c $(LOCK); \
 	else \
-		$(PY) -m pip install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu \
-			--retries 0 --timeout 15 || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"; \
+		$(call install_torch_cpu,$(PY)); \
 	fi
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -r $(LOCK)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
 	@touch $@
 
-setup: .venv/.installed  ## create .venv and install the project (CPU torch where there is no CUDA)
+setup: .venv/.installed  ## create .venv and install requirements/lock.txt and the project (CPU torch without CUDA)
+
+LOCK_VENV := $(or $(TMPDIR),/tmp)/diloco-lock-venv
+lock:  ## regenerate requirements/lock.txt in a fresh venv from pyproject.toml (TORCH_VERSION=X to move torch)
+	@test -n "$(TORCH_VERSION)" || { echo "make lock: no torch==X in $(LOCK): say make lock TORCH_VERSION=X"; exit 1; }
+	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip setuptools
+	$(call install_torch_cpu,$(LOCK_VENV)/bin/python)
+	$(LOCK_VENV)/bin/python -m pip install -q --no-build-isolation -e ".[dev]"
+	$(LOCK_VENV)/bin/python -m pip check
+	$(LOCK_VENV)/bin/python scripts/check_lock.py --python $(LOCK_VENV)/bin/python --write $(LOCK)
+	rm -rf $(LOCK_VENV)
+
+check-lock: setup  ## fail unless .venv holds exactly the packages and versions of requirements/lock.txt
+	$(PY) scripts/check_lock.py --python $(PY) $(LOCK)
 
 demo: setup  ## train the micro model on the bundled sample (a few minutes on 2 CPU cores)
 	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m diloco.train experiment=demo
@@ -37,8 +64,11 @@ lint: setup  ## ruff
 	$(PY) -m ruff check src tests scripts
 	$(PY) -m ruff format --check src tests scripts
 
-test: setup lint  ## lint + the whole test suite (under 10 minutes on 2 cores)
+test: setup lint  ## lint + the whole test suite (under 8 minutes on 2 cores; GPU tests skip without CUDA)
 	$(PY) -m pytest -q
+
+test-gpu: setup  ## the CUDA tests: bf16 eager and compiled steps, resume, DumbDiLoCo on the GPU
+	$(PY) -m pytest -q -m gpu
 
 replicate-tiny: setup  ## the whole CPU-scale family here (~20 min on 2 cores), then its report and check
 	$(PY) scripts/replicate.py --family tiny
