@@ -44,6 +44,8 @@ def compose_overrides(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    import diloco.config  # noqa: F401  (registers the structured configs and resolvers)
+
     with initialize_config_dir(config_dir=str(bc.ROOT / "configs"), version_base="1.3"):
         return hydra_compose(config_name="config", overrides=overrides)
 

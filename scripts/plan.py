@@ -38,6 +38,7 @@ def compose_experiment(name: str, overrides: list[str] = ()) -> DictConfig:
         known = ", ".join(experiments())
         raise PlanError(f"unknown experiment {name!r}; known: {known}")
     import diloco.assets  # noqa: F401  (registers the ${diloco_asset:...} resolver)
+    import diloco.schema  # noqa: F401  (registers the structured configs)
 
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose(config_name="config", overrides=[f"experiment={name}", *overrides])

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+import diloco.config  # noqa: F401  (registers the structured configs and resolvers)
+
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "configs")
 
 # micro model on the bundled sample, a handful of short sequences per step: ~0.05 s a step on CPU

@@ -1,88 +1,228 @@
-"""Config checks that run before any model or data is built.
+"""Every config check, for every mode, in one place; it runs before any tokenizer, data set or model
+is built.
 
-Hydra composes `configs/` (struct mode: an unknown key is refused by Hydra itself); this module adds
-the cross-field checks and turns every problem into one readable line (ConfigError).
+The types and defaults are declared once in `diloco.schema` (Hydra composes `configs/` on top of it, so
+an unknown key or a value of the wrong type is refused while composing). `validate` re-checks the
+types against the schema (a config assembled by hand gets the same answer) and adds the ranges and
+the cross-field rules; every problem is one readable line naming the key (ConfigError).
 """
 
 from __future__ import annotations
 
-from omegaconf import DictConfig, OmegaConf
+import dataclasses
+import math
+from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from diloco import schema
 from diloco.assets import register_resolvers  # noqa: F401  (configs use ${diloco_asset:...})
+
+WIRE_DTYPES = ("float32", "float16", "bfloat16")  # DiLoCo's all-reduce dtypes (diloco.comm implements them)
+GLOBAL_COPY_DEVICES = ("cpu", "device")
+DUMB_DILOCO_ROLES = ("master", "worker", "single")
 
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key and the problem."""
 
 
-def _positive(cfg: DictConfig, key: str, allow_zero: bool = False) -> None:
-    value = OmegaConf.select(cfg, key)
-    if (
-        not isinstance(value, int | float)
-        or isinstance(value, bool)
-        or value < 0
-        or (value == 0 and not allow_zero)
-    ):
+def typed(block: Any, node_type: type, prefix: str) -> Any:
+    """`block` (a DictConfig or a dict) checked against the schema dataclass `node_type` and returned as
+    an instance of it (defaults filled in). Raise ConfigError naming the first bad key. A boolean
+    must be one (OmegaConf would read the string "yes" as true)."""
+    for f in dataclasses.fields(node_type):
+        value = block.get(f.name) if hasattr(block, "get") else None
+        if f.type == "bool" and value is not None and not isinstance(value, bool):
+            raise ConfigError(f"{prefix}{f.name} must be true or false, got {value!r}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(node_type), block)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or ""
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{prefix}{key}: {reason}" if key else f"{prefix.rstrip('.')}: {reason}") from None
+
+
+def _number(
+    block: Any,
+    key: str,
+    prefix: str,
+    lo: float,
+    *,
+    strict: bool = True,
+    integer: bool = False,
+    hi: float | None = None,
+) -> None:
+    """block.key must be a finite number (an integer if asked) above lo (or at least lo) and below hi."""
+    v = getattr(block, key)
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    ok = ok and (v > lo if strict else v >= lo) and (hi is None or v < hi)
+    if not ok or (integer and not isinstance(v, int)):
+        if lo == 0 and not integer and hi is None:
+            want = "a positive number" if strict else "a non-negative number"
+        else:
+            want = f"{'an integer' if integer else 'a number'} {'>' if strict else '>='} {lo:g}"
+        raise ConfigError(f"{prefix}{key} must be {want}{f' and < {hi:g}' if hi else ''}, got {v!r}")
+
+
+def _one_of(block: Any, key: str, prefix: str, allowed: tuple[str, ...]) -> None:
+    v = getattr(block, key)
+    if v not in allowed:
+        choices = f"{', '.join(allowed[:-1])} or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
+        raise ConfigError(f"{prefix}{key} must be {choices}, got {v!r}")
+
+
+# --------------------------------------------------------------------------- the modes
+
+
+def check_distributed(block: Any) -> Any:
+    """The `distributed:` block of any mode, typed and range-checked; returns the typed block."""
+    mode = block.get("mode") if hasattr(block, "get") else getattr(block, "mode", None)
+    if mode not in schema.DISTRIBUTED_SCHEMAS:
         raise ConfigError(
-            f"{key} must be a {'non-negative' if allow_zero else 'positive'} number, got {value!r}"
+            f"distributed.mode must be one of {', '.join(schema.DISTRIBUTED_SCHEMAS)}, got {mode!r}"
         )
+    d = typed(block, schema.DISTRIBUTED_SCHEMAS[mode], "distributed.")
+    p = "distributed."
+    if mode in ("ddp", "diloco"):
+        _number(d, "timeout_seconds", p, 0)
+        if d.ddp_bucket_cap_mb is not None:
+            _number(d, "ddp_bucket_cap_mb", p, 0)
+    if mode == "ddp":
+        _number(d, "comm_log_every", p, 0, strict=False, integer=True)
+    if mode == "diloco":
+        _number(d, "inner_steps", p, 1, strict=False, integer=True)
+        _number(d, "outer_lr", p, 0)
+        _number(d, "outer_momentum", p, 0, strict=False, hi=1)
+        _one_of(d, "pseudo_grad_dtype", p, WIRE_DTYPES)
+        _one_of(d, "global_copy_device", p, GLOBAL_COPY_DEVICES)
+        _number(d, "bucket_size_mb", p, 0)
+        _number(d, "cosine_sample_size", p, 0, strict=False, integer=True)
+        if d.ranks_per_worker is not None:
+            _number(d, "ranks_per_worker", p, 1, strict=False, integer=True)
+    if mode == "dumb_diloco":
+        check_dumb_diloco(d)
+    return d
+
+
+def check_dumb_diloco(d: Any) -> None:
+    """Ranges of a typed DumbDiLoCo block (schema.DumbDiLoCoConfig or its runtime Settings)."""
+    from diloco.dumb_diloco.tensor_format import validate_node_id  # light: no torch.distributed, no Hub
+
+    p = "distributed."
+    _one_of(d, "role", p, DUMB_DILOCO_ROLES)
+    for key, ids in (("node_id", [d.node_id]), ("collaborators", list(d.collaborators))):
+        for node_id in ids:
+            try:
+                validate_node_id(node_id)
+            except ValueError as err:
+                raise ConfigError(f"{p}{key}: {err}") from None
+    if not isinstance(d.repo_id, str) or not d.repo_id.strip():
+        raise ConfigError(f"{p}repo_id must be a Hub repo id or a directory, got {d.repo_id!r}")
+    if d.token is not None and (not isinstance(d.token, str) or not d.token):
+        raise ConfigError(f"{p}token must be a string or null (prefer the HF_TOKEN environment variable)")
+    _number(d, "inner_steps", p, 1, strict=False, integer=True)
+    _number(d, "poll_interval", p, 0)
+    _number(d, "outer_lr", p, 0)
+    _number(d, "outer_momentum", p, 0, strict=False, hi=1)
+    _number(d, "startup_timeout", p, 0)
+    _number(d, "shutdown_timeout", p, 0, strict=False)
+    _number(d, "drain_seconds", p, 0, strict=False)
+    _number(d, "request_timeout", p, 0)
+    _number(d, "min_deltas_per_round", p, 0, strict=False, integer=True)
+    _number(d, "delayed_nesterov_period", p, 1, strict=False, integer=True)
+    _number(d, "keep_deltas", p, 0, strict=False, integer=True)
+    _number(d, "lease_seconds", p, 0, strict=False)
+    if d.max_file_bytes is not None:
+        _number(d, "max_file_bytes", p, 0, integer=True)
+    for key in ("max_attempts",):
+        _number(d.retry, key, p + "retry.", 1, strict=False, integer=True)
+    for key in ("base_delay_s", "max_delay_s", "max_total_s"):
+        _number(d.retry, key, p + "retry.", 0, strict=False)
+    for key in ("reset_inner_optimizer", "async_delta_upload", "async_global_poll", "publish_hf_config",
+                "staleness_weighting", "delayed_nesterov", "publish_master_state"):  # fmt: skip
+        if not isinstance(getattr(d, key), bool):
+            raise ConfigError(f"{p}{key} must be true or false, got {getattr(d, key)!r}")
+    if not d.state_dir:
+        raise ConfigError(f"{p}state_dir must be a directory path")
+
+
+# --------------------------------------------------------------------------- the whole config
 
 
 def validate(cfg: DictConfig) -> None:
-    """Raise ConfigError on the first problem. Distributed-mode checks live with each mode."""
-    from diloco.model import llama_config
-
+    """Raise ConfigError on the first problem of any key of any mode. Builds nothing."""
     try:
-        OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except Exception as e:  # missing mandatory value, bad interpolation
         raise ConfigError(f"config does not resolve: {str(e).splitlines()[0]}") from None
+    d = check_distributed(resolved.pop("distributed"))
+    resolved.pop("hydra", None)
+    c = typed(resolved, schema.Config, "")
 
-    for key in (
-        "optim.lr",
-        "train.batch_size",
-        "train.micro_batch_size",
-        "data.seq_len",
-        "eval.tokens",
-        "eval.micro_batch_size",
-        "optim.total_steps",
-    ):
-        _positive(cfg, key)
-    for key in (
-        "optim.weight_decay",
-        "optim.grad_clip",
-        "optim.warmup_steps",
-        "train.max_steps",
-        "train.log_every",
-        "train.eval_every",
-        "train.checkpoint_every",
-    ):
-        _positive(cfg, key, allow_zero=True)
-    betas = list(cfg.optim.betas)
+    for key in ("optim.lr", "train.batch_size", "train.micro_batch_size", "data.seq_len", "eval.tokens",
+                "eval.micro_batch_size", "optim.total_steps"):  # fmt: skip
+        block, name = key.split(".")
+        _number(getattr(c, block), name, f"{block}.", 0)
+    for key in ("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps", "train.max_steps",
+                "train.log_every", "train.eval_every", "train.checkpoint_every"):  # fmt: skip
+        block, name = key.split(".")
+        _number(getattr(c, block), name, f"{block}.", 0, strict=False)
+    betas = list(c.optim.betas)
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {betas}")
-    if cfg.train.batch_size % cfg.train.micro_batch_size:
+    if c.train.batch_size % c.train.micro_batch_size:
         raise ConfigError(
-            f"train.batch_size={cfg.train.batch_size} is not a multiple of "
-            f"train.micro_batch_size={cfg.train.micro_batch_size}"
+            f"train.batch_size={c.train.batch_size} is not a multiple of "
+            f"train.micro_batch_size={c.train.micro_batch_size}"
         )
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"device must be auto, cpu or cuda, got {cfg.device!r}")
-    if cfg.precision not in ("auto", "bf16", "fp32"):
-        raise ConfigError(f"precision must be auto, bf16 or fp32, got {cfg.precision!r}")
-    if cfg.data.sharding not in ("iid", "noniid"):
-        raise ConfigError(f"data.sharding must be iid or noniid, got {cfg.data.sharding!r}")
-    if cfg.data.noniid_key not in ("domain", "page"):
-        raise ConfigError(f"data.noniid_key must be domain or page, got {cfg.data.noniid_key!r}")
-    if cfg.data.seq_len > cfg.model.max_position_embeddings:
+    if c.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device must be auto, cpu or cuda, got {c.device!r}")
+    if c.precision not in ("auto", "bf16", "fp32"):
+        raise ConfigError(f"precision must be auto, bf16 or fp32, got {c.precision!r}")
+    _check_data(c.data)
+    _check_model(c.model)
+    if c.data.seq_len > c.model.max_position_embeddings:
         raise ConfigError(
-            f"data.seq_len={cfg.data.seq_len} exceeds model.max_position_embeddings={cfg.model.max_position_embeddings}"
+            f"data.seq_len={c.data.seq_len} exceeds model.max_position_embeddings={c.model.max_position_embeddings}"
         )
-    shard, num = cfg.data.shard, cfg.data.num_shards
+    if d.mode == "diloco":
+        _check_evaluated_steps_are_boundaries(c.train, d.inner_steps)
+
+
+def _check_data(data: schema.DataConfig) -> None:
+    if data.sharding not in ("iid", "noniid"):
+        raise ConfigError(f"data.sharding must be iid or noniid, got {data.sharding!r}")
+    if data.noniid_key not in ("domain", "page"):
+        raise ConfigError(f"data.noniid_key must be domain or page, got {data.noniid_key!r}")
+    shard, num = data.shard, data.num_shards
     if (shard is None) != (num is None):
         raise ConfigError("data.shard and data.num_shards must be set together (or both null)")
-    if shard is not None and not (isinstance(num, int) and num >= 1 and 0 <= shard < num):
+    if shard is not None and not (num >= 1 and 0 <= shard < num):
         raise ConfigError(f"data.shard={shard} must be in [0, data.num_shards={num})")
-    try:
-        llama_config(cfg.model)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+
+
+def _check_model(model: schema.ModelConfig) -> None:
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "intermediate_size", "vocab_size", "max_position_embeddings"):  # fmt: skip
+        _number(model, key, "model.", 0, integer=True)
+    hidden, heads, kv_heads = model.hidden_size, model.num_attention_heads, model.num_key_value_heads
+    if hidden % heads:
+        raise ConfigError(f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}")
+    if heads % kv_heads:
+        raise ConfigError(
+            f"model.num_attention_heads={heads} is not divisible by model.num_key_value_heads={kv_heads}"
+        )
+
+
+def _check_evaluated_steps_are_boundaries(train: schema.TrainConfig, h: int) -> None:
+    """DiLoCo workers hold averaged weights only right after an outer step. Periodic evaluations must
+    fall there; a run that ends between two outer steps evaluates the last global weights
+    (DiLoCo.eval_weights)."""
+    if train.eval_every % h:
+        raise ConfigError(
+            f"train.eval_every={train.eval_every} is not a multiple of distributed.inner_steps={h}: "
+            "DiLoCo evaluates the averaged model, which exists only every H steps"
+        )

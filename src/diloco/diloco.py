@@ -23,36 +23,13 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from diloco import comm
 from diloco.checkpoint import CheckpointError
-from diloco.config import ConfigError
-
-GLOBAL_COPY_DEVICES = ("cpu", "device")
-
-
-def check_config(dcfg) -> None:
-    """Raise ConfigError on a distributed=diloco block that cannot work."""
-    h = dcfg.inner_steps
-    if not isinstance(h, int) or isinstance(h, bool) or h < 1:
-        raise ConfigError(f"distributed.inner_steps (H) must be an integer >= 1, got {h!r}")
-    if not dcfg.outer_lr > 0:
-        raise ConfigError(f"distributed.outer_lr must be > 0, got {dcfg.outer_lr!r}")
-    if not 0 <= dcfg.outer_momentum < 1:
-        raise ConfigError(f"distributed.outer_momentum must be in [0, 1), got {dcfg.outer_momentum!r}")
-    if dcfg.pseudo_grad_dtype not in comm.WIRE_DTYPES:
-        raise ConfigError(
-            f"distributed.pseudo_grad_dtype must be one of {', '.join(comm.WIRE_DTYPES)}, got {dcfg.pseudo_grad_dtype!r}"
-        )
-    if dcfg.global_copy_device not in GLOBAL_COPY_DEVICES:
-        raise ConfigError(
-            f"distributed.global_copy_device must be cpu or device, got {dcfg.global_copy_device!r}"
-        )
-    if not dcfg.bucket_size_mb > 0 or dcfg.cosine_sample_size < 0:
-        raise ConfigError("distributed.bucket_size_mb must be > 0 and distributed.cosine_sample_size >= 0")
+from diloco.config import check_distributed
 
 
 def make_buckets(params: list[torch.Tensor], bucket_size_mb: float) -> list[list[torch.Tensor]]:
@@ -74,8 +51,8 @@ class DiLoCo:
     def from_config(cls, dcfg, ctx, model, optimizer) -> DiLoCo:
         from diloco.distributed import DataParallel
 
-        check_config(dcfg)
-        inner = DataParallel(dcfg, ctx, model, group=ctx.worker_group)  # checks model fingerprints
+        check_distributed(dcfg)
+        inner = DataParallel(dcfg, ctx, model, group=ctx.worker_group)  # checks shapes and initial weights (SHA-256)
         timeout = dcfg.timeout_seconds
         return cls(
             model, optimizer, comm.group_collective(ctx.cross_group, timeout),
@@ -146,6 +123,26 @@ class DiLoCo:
             "outer/inner_seconds": inner,
             "outer/compute_utilization": inner / max(inner + wall, 1e-9),
         }
+
+    @contextmanager
+    def eval_weights(self, step: int):
+        """Inside: the model holds the last averaged (global) weights, the ones an evaluation must see.
+        Mid-round (a run ending, or interrupted, between two outer steps) the live weights are one
+        worker's local ones: they are set aside on the CPU and put back afterwards."""
+        if step % self.inner_steps == 0:
+            yield
+            return
+        with torch.no_grad():
+            local = [[p.detach().to("cpu", copy=True) for p in params] for params in self.buckets]
+            for params, theta in zip(self.buckets, self.global_params):
+                torch._foreach_copy_(params, _views(theta.to(self.device), params))
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for params, saved in zip(self.buckets, local):
+                    for p, t in zip(params, saved):
+                        p.copy_(t)
 
     # ---------------------------------------------------------------------------- the outer step
     @torch.no_grad()

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diloco.config import ConfigError
+from diloco.config import ConfigError, check_distributed
 
 
 @dataclass
@@ -74,6 +74,10 @@ class LocalTraining:
     def after_inner_step(self, step: int) -> dict[str, float]:
         return {}
 
+    def eval_weights(self, step: int):
+        """The weights to evaluate are the live ones (every rank holds the same)."""
+        return nullcontext()
+
     def state_dict(self) -> dict:
         return {}
 
@@ -106,19 +110,6 @@ def _resolve_topology(dcfg, world_size: int, local_world_size: int) -> int:
     return g
 
 
-def check_mode_config(dcfg) -> None:
-    """The distributed block's own checks, before any process group exists."""
-    timeout = dcfg.get("timeout_seconds")
-    if dcfg.mode in ("ddp", "diloco") and (
-        not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0
-    ):
-        raise ConfigError(f"distributed.timeout_seconds must be a positive number, got {timeout!r}")
-    if dcfg.mode == "diloco":
-        from diloco.diloco import check_config
-
-        check_config(dcfg)
-
-
 def init_distributed(cfg) -> DistContext:
     """Join the process group torchrun describes and build the DiLoCo topology.
 
@@ -128,7 +119,7 @@ def init_distributed(cfg) -> DistContext:
     Every rank creates every group, in the same order, as torch.distributed requires.
     """
     dcfg = cfg.distributed
-    check_mode_config(dcfg)
+    check_distributed(dcfg)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         return DistContext(local_rank=local_rank, device=pick_device(cfg.device, local_rank))
@@ -156,19 +147,21 @@ def init_distributed(cfg) -> DistContext:
 
 
 def check_same_model(ctx: DistContext, model: torch.nn.Module) -> None:
-    """Refuse to start when ranks built different models (compares shape fingerprints, at start)."""
+    """Refuse to start when ranks hold different initial weights (another seed, another transformers
+    version, another model config): shapes first, then a SHA-256 of the weights."""
     if not ctx.initialized:
         return
-    from diloco.model import shape_fingerprint
+    from diloco.model import shape_fingerprint, weights_sha256
 
-    prints: list = [None] * ctx.world_size
-    dist.all_gather_object(prints, shape_fingerprint(model))
-    if len(set(prints)) > 1:
-        by_print: dict[str, list[int]] = {}
-        for r, p in enumerate(prints):
-            by_print.setdefault(p, []).append(r)
-        groups = "; ".join(f"ranks {ranks} have {p}" for p, ranks in by_print.items())
-        raise DistributedError(f"model shapes differ across ranks (parameter fingerprints: {groups})")
+    for what, fingerprint in (("model shapes", shape_fingerprint), ("initial weights", weights_sha256)):
+        prints: list = [None] * ctx.world_size
+        dist.all_gather_object(prints, fingerprint(model))
+        if len(set(prints)) > 1:
+            by_print: dict[str, list[int]] = {}
+            for r, p in enumerate(prints):
+                by_print.setdefault(p, []).append(r)
+            groups = "; ".join(f"ranks {ranks} have {p}" for p, ranks in by_print.items())
+            raise DistributedError(f"{what} differ across ranks ({groups})")
 
 
 class DataParallel:
@@ -181,7 +174,7 @@ class DataParallel:
     name = "ddp"
 
     def __init__(self, dcfg, ctx: DistContext, model: torch.nn.Module, group=None):
-        check_same_model(ctx, model)
+        check_same_model(ctx, model)  # every rank of the run starts from bit-identical weights
         self.ctx, self.group = ctx, group
         self.size = dist.get_world_size(group) if ctx.initialized else 1
         self.bucket_cap_mb = dcfg.get("ddp_bucket_cap_mb")  # None: DDP's default
@@ -215,6 +208,10 @@ class DataParallel:
         per_step = (self.total_bytes - self._logged_bytes) / max(step - self._logged_step, 1)
         self._logged_bytes, self._logged_step = self.total_bytes, step
         return {"comm/bytes_per_step": per_step, "comm/total_bytes": self.total_bytes}
+
+    def eval_weights(self, step: int):
+        """The weights to evaluate are the live ones (every rank holds the same)."""
+        return nullcontext()
 
     def state_dict(self) -> dict:
         return {

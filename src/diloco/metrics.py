@@ -71,7 +71,7 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._truncate_after(resume_step)
         self._fh = open(self.path, "a", buffering=1)
-        self._init_wandb(config, wandb_cfg, resumed=resume_step is not None)
+        self._init_wandb(config, wandb_cfg, resume_step)
 
     def _truncate_after(self, step: int | None) -> None:
         """On resume, drop records past the checkpoint so the file reads as one uninterrupted run."""
@@ -87,7 +87,10 @@ class RunLogger:
                     break  # a torn last line from a crash
         self.path.write_text("".join(line + "\n" for line in keep))
 
-    def _init_wandb(self, config: dict, wandb_cfg, resumed: bool) -> None:
+    def _init_wandb(self, config: dict, wandb_cfg, resume_step: int | None) -> None:
+        """One W&B run per training run. After a resume from step N its history is rewound to N
+        (`resume_from`, W&B's rewind), as metrics.jsonl is, so the re-sent steps N+1.. are kept
+        instead of being dropped as duplicates of steps W&B has already seen."""
         mode = wandb_mode(wandb_cfg.get("mode"))
         if mode == "disabled":
             return
@@ -95,21 +98,35 @@ class RunLogger:
             import wandb
 
             id_file = self.run_dir / "wandb_id.txt"
-            run_id = id_file.read_text().strip() if resumed and id_file.exists() else uuid.uuid4().hex[:12]
+            resumed = resume_step is not None and id_file.exists()
+            run_id = id_file.read_text().strip() if resumed else uuid.uuid4().hex[:12]
             id_file.write_text(run_id)
-            self._wandb = wandb.init(
+            kwargs = dict(
                 project=wandb_cfg.project,
                 entity=wandb_cfg.get("entity"),
                 group=wandb_cfg.get("group"),
                 tags=list(wandb_cfg.get("tags") or []),
                 name=config.get("run_name"),
                 id=run_id,
-                resume="allow",
                 dir=str(self.run_dir),
                 config=config,
                 mode=mode,
                 settings=wandb.Settings(init_timeout=90, silent=True),
             )
+            if resumed:
+                try:
+                    self._wandb = wandb.init(**kwargs, resume_from=f"{run_id}?_step={resume_step}")
+                except (
+                    Exception
+                ) as e:  # a server without rewind: continue the run; W&B drops steps <= its last
+                    log.warning(
+                        "W&B cannot rewind run %s to step %d (%s); resuming it as is, so W&B keeps its "
+                        "first values of steps it already has (metrics.jsonl is exact)",
+                        run_id, resume_step, str(e).splitlines()[0] if str(e) else type(e).__name__,
+                    )  # fmt: skip
+                    self._wandb = wandb.init(**kwargs, resume="allow")
+            else:
+                self._wandb = wandb.init(**kwargs, resume="allow")
             if mode == "online" and self._wandb is not None:
                 log.info("W&B run: %s", self._wandb.url)
         except Exception as e:  # W&B must never take a training run down

@@ -5,6 +5,9 @@ The model knows nothing about distribution: ranks, process groups and DiLoCo liv
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+
 import torch
 from omegaconf import DictConfig
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -25,15 +28,7 @@ _SHAPE_KEYS = (
 
 
 def llama_config(model_cfg: DictConfig) -> LlamaConfig:
-    """Validate a `model/*.yaml` entry and turn it into a LlamaConfig."""
-    hidden, heads = model_cfg.hidden_size, model_cfg.num_attention_heads
-    kv_heads = model_cfg.num_key_value_heads
-    if hidden % heads:
-        raise ValueError(f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}")
-    if heads % kv_heads:
-        raise ValueError(
-            f"model.num_attention_heads={heads} is not divisible by model.num_key_value_heads={kv_heads}"
-        )
+    """A `model/*.yaml` entry (checked by diloco.config.validate) as a LlamaConfig."""
     kwargs = {k: model_cfg[k] for k in _SHAPE_KEYS}
     # pad = eos = </s> (id 2) and bos = <s> (id 1), as in the Mistral-7B tokenizer and the bundled sample's.
     return LlamaConfig(**kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=2, use_cache=False)
@@ -60,9 +55,20 @@ def count_parameters(model: torch.nn.Module) -> dict[str, int]:
 
 def shape_fingerprint(model: torch.nn.Module) -> str:
     """A short string that changes with any parameter name, shape or dtype (compared across ranks/checkpoints)."""
-    import hashlib
-
     h = hashlib.sha256()
     for name, p in model.state_dict().items():
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
     return h.hexdigest()[:16]
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 of every state_dict entry's name, shape, dtype and bytes, in state_dict order: equal on
+    two processes exactly when they hold bit-identical weights. One tensor at a time is copied to the
+    CPU (bounded memory); CPU tensors are hashed in place."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        t = t.detach().to("cpu").contiguous()
+        if t.numel():
+            h.update((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+    return h.hexdigest()

@@ -34,7 +34,12 @@ from diloco.checkpoint import CheckpointError
 from diloco.comm import CommError
 from diloco.config import ConfigError, validate
 from diloco.data import DataError, SequenceStream, eval_batches, load_tokenizer, noniid_shard_of  # noqa: F401
-from diloco.distributed import DistContext, DistributedError, init_distributed, shutdown_distributed
+from diloco.distributed import (
+    DistContext,
+    DistributedError,
+    init_distributed,
+    shutdown_distributed,
+)
 from diloco.metrics import RunLogger, git_commit
 from diloco.model import build_model, count_parameters, shape_fingerprint
 
@@ -194,6 +199,13 @@ def run(cfg: DictConfig) -> int:
         resolved["distributed"]["token"] = "<redacted>"
     if ctx.is_main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    per_rank = cfg.train.batch_size // ctx.ranks_per_worker
+    if per_rank * ctx.ranks_per_worker != cfg.train.batch_size or per_rank % cfg.train.micro_batch_size:
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} does not split into {ctx.ranks_per_worker} ranks "
+            f"x whole micro-batches of train.micro_batch_size={cfg.train.micro_batch_size}"
+        )
+    accum = per_rank // cfg.train.micro_batch_size
 
     # ----------------------------------------------------------------------------- data
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -215,13 +227,6 @@ def run(cfg: DictConfig) -> int:
             shard_eval_sets[s] = eval_batches(
                 cfg.data, tokenizer, cfg.eval.tokens // num_shards, cfg.eval.micro_batch_size, s, num_shards
             )
-    per_rank = cfg.train.batch_size // ctx.ranks_per_worker
-    if per_rank * ctx.ranks_per_worker != cfg.train.batch_size or per_rank % cfg.train.micro_batch_size:
-        raise ConfigError(
-            f"train.batch_size={cfg.train.batch_size} does not split into {ctx.ranks_per_worker} ranks "
-            f"x whole micro-batches of train.micro_batch_size={cfg.train.micro_batch_size}"
-        )
-    accum = per_rank // cfg.train.micro_batch_size
 
     # ----------------------------------------------------------------------------- model
     model = build_model(cfg.model, seed=cfg.seed).to(device)
@@ -241,11 +246,12 @@ def run(cfg: DictConfig) -> int:
         betas=tuple(cfg.optim.betas),
         weight_decay=cfg.optim.weight_decay,
         foreach=cfg.optim.foreach,
+        fused=cfg.optim.fused if cfg.optim.fused is not None else (device.type == "cuda" or None),
     )
     scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.optim.total_steps)
     strategy = build_strategy(cfg, ctx, model, optimizer)
     train_model = strategy.wrap(model)
-    if cfg.compile:
+    if cfg.compile if cfg.compile is not None else device.type == "cuda":
         train_model = torch.compile(train_model)
 
     # ----------------------------------------------------------------------------- resume
@@ -367,11 +373,11 @@ def run(cfg: DictConfig) -> int:
 
             if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == max_steps:
                 eval_loss = run_eval(
-                    cfg, model, eval_set, shard_eval_sets, device, autocast, logger, step, ctx
+                    cfg, model, strategy, eval_set, shard_eval_sets, device, autocast, logger, step, ctx
                 )
                 last_eval_step = step
             periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
-            if periodic or (step == max_steps and cfg.train.checkpoint_at_end):
+            if periodic and step < max_steps:  # the last one is written after the final evaluation
                 save_checkpoint()
         if stop.requested:
             status, exit_code = "interrupted", 130
@@ -384,11 +390,19 @@ def run(cfg: DictConfig) -> int:
                     step,
                     str(e).splitlines()[0] if str(e) else type(e).__name__,
                 )
-        elif (finish := getattr(strategy, "finish", None)) is not None and finish():
-            # DumbDiLoCo master: the last deltas are in; evaluate the final global model
-            eval_loss = run_eval(cfg, model, eval_set, shard_eval_sets, device, autocast, logger, step, ctx)
-        elif last_eval_step != step:
-            eval_loss = run_eval(cfg, model, eval_set, shard_eval_sets, device, autocast, logger, step, ctx)
+        else:
+            if (finish := getattr(strategy, "finish", None)) is not None and finish():
+                # DumbDiLoCo master: the last deltas are in; evaluate the final global model
+                eval_loss = run_eval(
+                    cfg, model, strategy, eval_set, shard_eval_sets, device, autocast, logger, step, ctx
+                )
+            elif last_eval_step != step:
+                eval_loss = run_eval(
+                    cfg, model, strategy, eval_set, shard_eval_sets, device, autocast, logger, step, ctx
+                )
+            ends_on_period = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
+            if step == max_steps and (cfg.train.checkpoint_at_end or ends_on_period):
+                save_checkpoint()  # the model that was evaluated, and the strategy's final state
     except KeyboardInterrupt:
         status, exit_code = "aborted", 130
         log.warning("aborted at step %d; the last complete checkpoint is intact", step)
@@ -435,15 +449,16 @@ def run(cfg: DictConfig) -> int:
     return exit_code
 
 
-def run_eval(cfg, model, eval_set, shard_eval_sets, device, autocast, logger, step, ctx) -> float:
-    """Rank 0 evaluates (every rank holds the same model at DDP steps and DiLoCo boundaries; set
-    train.eval_every to a multiple of H); the others go on and wait at their next collective."""
+def run_eval(cfg, model, strategy, eval_set, shard_eval_sets, device, autocast, logger, step, ctx) -> float:
+    """Rank 0 evaluates the model the strategy says was averaged (DDP: the live weights; DiLoCo: the
+    global weights); the others go on and wait at their next collective."""
     if not ctx.is_main:
         return math.nan
-    loss = evaluate(model, eval_set, device, autocast)
-    metrics = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50))}
-    for s, batches in shard_eval_sets.items():
-        metrics[f"eval/shard{s}/loss"] = evaluate(model, batches, device, autocast)
+    with strategy.eval_weights(step):  # DiLoCo mid-round: the last averaged weights, not rank 0's own
+        loss = evaluate(model, eval_set, device, autocast)
+        metrics = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50))}
+        for s, batches in shard_eval_sets.items():
+            metrics[f"eval/shard{s}/loss"] = evaluate(model, batches, device, autocast)
     logger.log(metrics, step)
     log.info("step %d: eval loss %.4f, perplexity %.2f", step, loss, metrics["eval/perplexity"])
     return loss
@@ -458,7 +473,8 @@ def _config_choices() -> dict:
         return {}
 
 
-@hydra.main(version_base="1.3", config_path="../../configs", config_name="config")
+# configs/ is installed as the package diloco.configs (pyproject.toml), so a wheel finds it too.
+@hydra.main(version_base="1.3", config_path="pkg://diloco.configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
         code = run(cfg)

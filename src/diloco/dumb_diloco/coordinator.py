@@ -38,12 +38,14 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from diloco.config import ConfigError
+from diloco.config import ConfigError, check_dumb_diloco, typed
+from diloco.schema import DumbDiLoCoConfig
 
 from .master import (
     STEP_FILE_MAX_BYTES,
@@ -68,7 +70,6 @@ from .tensor_format import (
     encode,
     parse_header,
     pseudo_gradient,
-    validate_node_id,
 )
 from .transport import (
     HubTransport,
@@ -83,8 +84,6 @@ from .transport import (
 
 log = logging.getLogger("diloco.dumb_diloco")
 
-ROLES = ("master", "worker", "single")
-
 
 class DumbDiLoCoError(ConfigError):
     """A node that cannot take part (bad setting, unreachable repository, no master): one readable line.
@@ -98,143 +97,49 @@ class GlobalMismatch(InvalidTensorFile):
 # --------------------------------------------------------------------------- settings
 
 
-@dataclass(frozen=True)
-class Settings:
-    """The `distributed:` block of configs/distributed/dumb_diloco.yaml, checked."""
+@dataclass
+class Settings(DumbDiLoCoConfig):
+    """The `distributed:` block of a DumbDiLoCo node, checked (keys and defaults: diloco.schema)."""
 
-    role: str
-    node_id: str
-    repo_id: str
-    collaborators: tuple[str, ...] = ()
-    token: str | None = field(default=None, repr=False)
-    inner_steps: int = 500
-    poll_interval: float = 60.0
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    state_dir: str = ".speedtronic/diloco"
-    reset_inner_optimizer: bool = True
-    async_delta_upload: bool = True
-    async_global_poll: bool = True
-    startup_timeout: float = 600.0
-    shutdown_timeout: float = 120.0
-    drain_seconds: float = 0.0
-    max_file_bytes: int | None = None
-    request_timeout: float = 60.0
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    publish_hf_config: bool = True
-    # past the specification (docs/dumb_diloco.md "Past the specification"); defaults = the spec's behaviour
-    min_deltas_per_round: int = 0
-    staleness_weighting: bool = False
-    delayed_nesterov: bool = False
-    delayed_nesterov_period: int = 4
-    publish_master_state: bool = True
-    keep_deltas: int = 0
-    lease_seconds: float = 300.0
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            self.role = "single"
+        if isinstance(self.collaborators, str) or not hasattr(self.collaborators, "__iter__"):
+            raise ConfigError(
+                "distributed.collaborators must be a list of node IDs, e.g. '[worker-1,worker-2]', "
+                f"got {self.collaborators!r}"
+            )
+        self.collaborators = tuple(self.collaborators)
+        if isinstance(self.repo_id, str):
+            self.repo_id = self.repo_id.strip()
+        self.state_dir = str(self.state_dir)
+        if not isinstance(self.retry, RetryPolicy):
+            fields = self.retry if isinstance(self.retry, dict) else vars(self.retry)
+            try:
+                self.retry = RetryPolicy(**fields)
+            except TypeError as err:
+                raise ConfigError(f"distributed.retry: {err}") from None
+        check_dumb_diloco(self)
 
     @classmethod
     def from_config(cls, dcfg: Any) -> Settings:
         """Validate a config block (DictConfig or dict); raise ConfigError naming the key."""
-        get = dcfg.get
-        if get("mode", "dumb_diloco") != "dumb_diloco":
-            raise ConfigError(f"distributed.mode must be dumb_diloco here, got {get('mode')!r}")
-        role = get("role", "worker")
-        if role not in ROLES:
-            raise ConfigError(f"distributed.role must be master, worker or single, got {role!r}")
-        enabled = get("enabled", True)
-        if not isinstance(enabled, bool):
-            raise ConfigError(f"distributed.enabled must be true or false, got {enabled!r}")
-        if not enabled:
-            role = "single"
-        node_id = _node_id("distributed.node_id", get("node_id"))
-        collaborators = get("collaborators") or []
-        if isinstance(collaborators, str) or not hasattr(collaborators, "__iter__"):
+        mode = dcfg.get("mode", "dumb_diloco")
+        if mode != "dumb_diloco":
+            raise ConfigError(f"distributed.mode must be dumb_diloco here, got {mode!r}")
+        if isinstance(dcfg.get("collaborators"), str):  # before OmegaConf turns the string away
             raise ConfigError(
-                f"distributed.collaborators must be a list of node IDs, e.g. '[worker-1,worker-2]', got {collaborators!r}"
+                "distributed.collaborators must be a list of node IDs, e.g. '[worker-1,worker-2]', "
+                f"got {dcfg.get('collaborators')!r}"
             )
-        collaborators = tuple(_node_id("distributed.collaborators", c) for c in collaborators)
-        repo_id = get("repo_id")
-        if not isinstance(repo_id, str) or not repo_id.strip():
-            raise ConfigError(f"distributed.repo_id must be a Hub repo id or a directory, got {repo_id!r}")
-        token = get("token")
-        if token is not None and (not isinstance(token, str) or not token):
-            raise ConfigError(
-                "distributed.token must be a string or null (prefer the HF_TOKEN environment variable)"
-            )
-        retry_cfg = dict(get("retry") or {})
-        try:
-            retry = RetryPolicy(**{k: retry_cfg[k] for k in retry_cfg})
-        except TypeError as err:
-            raise ConfigError(f"distributed.retry: {err}") from None
-        s = cls(
-            role=role,
-            node_id=node_id,
-            repo_id=repo_id.strip(),
-            collaborators=collaborators,
-            token=token,
-            inner_steps=get("inner_steps", 500),
-            poll_interval=get("poll_interval", 60),
-            outer_lr=get("outer_lr", 0.7),
-            outer_momentum=get("outer_momentum", 0.9),
-            state_dir=str(get("state_dir", ".speedtronic/diloco")),
-            reset_inner_optimizer=get("reset_inner_optimizer", True),
-            async_delta_upload=get("async_delta_upload", True),
-            async_global_poll=get("async_global_poll", True),
-            startup_timeout=get("startup_timeout", 600),
-            shutdown_timeout=get("shutdown_timeout", 120),
-            drain_seconds=get("drain_seconds", 0),
-            max_file_bytes=get("max_file_bytes"),
-            request_timeout=get("request_timeout", 60),
-            retry=retry,
-            publish_hf_config=get("publish_hf_config", True),
-            min_deltas_per_round=get("min_deltas_per_round", 0),
-            staleness_weighting=get("staleness_weighting", False),
-            delayed_nesterov=get("delayed_nesterov", False),
-            delayed_nesterov_period=get("delayed_nesterov_period", 4),
-            publish_master_state=get("publish_master_state", True),
-            keep_deltas=get("keep_deltas", 0),
-            lease_seconds=get("lease_seconds", 300),
-        )
-        s._check()
-        if token is not None and role != "single":
+        block = typed(dcfg, DumbDiLoCoConfig, "distributed.")
+        s = cls(**{f.name: getattr(block, f.name) for f in dataclass_fields(DumbDiLoCoConfig)})
+        if s.token is not None and s.role != "single":
             log.warning(
                 "distributed.token is set in the config: prefer the HF_TOKEN environment variable or "
                 "`hf auth login`, and never commit a token to a config file (it is not logged or saved)"
             )
         return s
-
-    def _check(self) -> None:
-        def number(
-            key: str, lo: float, *, strict: bool = True, integer: bool = False, hi: float | None = None
-        ):
-            v = getattr(self, key)
-            ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-            ok = ok and (v > lo if strict else v >= lo) and (hi is None or v < hi)
-            if not ok or (integer and not isinstance(v, int)):
-                want = f"{'an integer' if integer else 'a number'} {'>' if strict else '>='} {lo:g}"
-                raise ConfigError(
-                    f"distributed.{key} must be {want}{f' and < {hi:g}' if hi else ''}, got {v!r}"
-                )
-
-        number("inner_steps", 1, strict=False, integer=True)
-        number("poll_interval", 0)
-        number("outer_lr", 0)
-        number("outer_momentum", 0, strict=False, hi=1)
-        number("startup_timeout", 0)
-        number("shutdown_timeout", 0, strict=False)
-        number("drain_seconds", 0, strict=False)
-        number("request_timeout", 0)
-        number("min_deltas_per_round", 0, strict=False, integer=True)
-        number("delayed_nesterov_period", 1, strict=False, integer=True)
-        number("keep_deltas", 0, strict=False, integer=True)
-        number("lease_seconds", 0, strict=False)
-        if self.max_file_bytes is not None:
-            number("max_file_bytes", 0, integer=True)
-        for key in ("reset_inner_optimizer", "async_delta_upload", "async_global_poll", "publish_hf_config",
-                    "staleness_weighting", "delayed_nesterov", "publish_master_state"):  # fmt: skip
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(f"distributed.{key} must be true or false, got {getattr(self, key)!r}")
-        if not self.state_dir:
-            raise ConfigError("distributed.state_dir must be a directory path")
 
     @property
     def is_master(self) -> bool:
@@ -249,13 +154,6 @@ def _copy_into(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     else:
         for d, t in zip(dst, src):
             d.copy_(t)
-
-
-def _node_id(key: str, value: Any) -> str:
-    try:
-        return validate_node_id(value)
-    except ValueError as err:
-        raise ConfigError(f"{key}: {err}") from None
 
 
 # --------------------------------------------------------------------------- background lanes
@@ -1142,6 +1040,10 @@ class DumbDiLoCo:
         if result.reset_optimizer:
             self.optimizer.state.clear()
         return result.metrics
+
+    def eval_weights(self, step: int):
+        """A node evaluates the weights it holds (the master: the final global, see finish)."""
+        return nullcontext()
 
     def state_dict(self) -> dict:
         return self.coordinator.state_dict()

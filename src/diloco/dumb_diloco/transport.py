@@ -80,6 +80,8 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import unquote, urlparse
 
+from diloco.schema import RetryConfig
+
 from .tensor_format import DEFAULT_MAX_HEADER_BYTES, InvalidTensorFile, SafetensorsHeader, parse_header
 
 __all__ = [
@@ -220,15 +222,10 @@ def check_commit_budget(num_nodes: int, seconds_per_boundary: float, limit_per_h
 # --------------------------------------------------------------------------- retries
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Exponential backoff with jitter. Delay n (1-based) is drawn from
-    [d/2, d] with d = min(max_delay_s, base_delay_s * 2**(n-1)), and is at least Retry-After."""
-
-    max_attempts: int = 8
-    base_delay_s: float = 1.0
-    max_delay_s: float = 60.0
-    max_total_s: float = 900.0
+@dataclass
+class RetryPolicy(RetryConfig):
+    """Exponential backoff with jitter (settings: diloco.schema.RetryConfig). Delay n (1-based) is drawn
+    from [d/2, d] with d = min(max_delay_s, base_delay_s * 2**(n-1)), and is at least Retry-After."""
 
     def delay(self, attempt: int, retry_after: float | None, rng: random.Random) -> float:
         d = min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1))
