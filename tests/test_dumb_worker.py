@@ -391,3 +391,25 @@ def test_num_peers_comes_from_the_installed_round(tmp_path):
     loop.run_once()
     metrics = [coord.on_step(s).metrics for s in (1, 2, 3)][-1]
     assert metrics["outer/step"] == 1 and metrics["num_peers"] == 3
+
+
+# ------------------------------------------------------------------ same start
+
+
+def test_a_worker_built_with_other_initial_weights_than_the_master_refuses_to_join(tmp_path):
+    """The master publishes the SHA-256 of the weights it was built with beside every global; a worker
+    whose own differ (another seed, model config or transformers version) stops, naming both."""
+    master = Coordinator(Tiny(), settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05))
+    master.start()
+    try:
+        same = Coordinator(Tiny(), settings(tmp_path / "repo", node_id="w1"))
+        same.connect()  # same initial weights: joins
+        other_model = Tiny()
+        nudge(other_model, 1e-3)  # same shapes, other values
+        other = Coordinator(other_model, settings(tmp_path / "repo", node_id="w2"))
+        with pytest.raises(DumbDiLoCoError, match="initial weights differ from the master's") as err:
+            other.connect()
+        assert master.init_sha256 in str(err.value) and other.init_sha256 in str(err.value)
+        assert master.init_sha256 != other.init_sha256
+    finally:
+        master.close()

@@ -84,6 +84,11 @@ def check_distributed(block: Any) -> Any:
         raise ConfigError(
             f"distributed.mode must be one of {', '.join(schema.DISTRIBUTED_SCHEMAS)}, got {mode!r}"
         )
+    if isinstance(block, DictConfig):  # resolve interpolations (${train.log_every}) against the whole config
+        try:
+            block = OmegaConf.to_container(block, resolve=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"distributed: {str(e).splitlines()[0]}") from None
     d = typed(block, schema.DISTRIBUTED_SCHEMAS[mode], "distributed.")
     p = "distributed."
     if mode in ("ddp", "diloco"):

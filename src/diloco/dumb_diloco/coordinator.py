@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from diloco.config import ConfigError, check_dumb_diloco, typed
+from diloco.model import weights_sha256
 from diloco.schema import DumbDiLoCoConfig
 
 from .master import (
@@ -307,6 +308,9 @@ class Coordinator:
         self.hf_config = hf_config if settings.publish_hf_config else None
         self._clock, self._sleep = clock, sleep
         state = model.state_dict()
+        # the weights this node was built with, before any checkpoint or global: the master publishes
+        # its own with every global and a worker refuses to join a master that started elsewhere
+        self.init_sha256 = weights_sha256(model)
         self._global_layout = state_layout(state)  # what a global must look like to be installed
         self._delta_keys = list(delta_layout(state))
         size = sum(t.numel() * t.element_size() for t in state.values())
@@ -390,6 +394,7 @@ class Coordinator:
                     self.transport = self._open(create=False)
                 snapshot = self.fetch_global()
                 if snapshot is not None:
+                    self._check_same_start()
                     self._stage(snapshot)
                     return
                 waiting_for = "the master's first global model"
@@ -417,6 +422,17 @@ class Coordinator:
                 log.info("node %s: waiting for %s in %s", self.s.node_id, waiting_for, self.s.repo_id)
                 announced = True
             self._sleep(min(self.s.poll_interval, 2.0, remaining))
+
+    def _check_same_start(self) -> None:
+        """A worker built with other initial weights than the master's (another seed, model config or
+        transformers version) would compute deltas for another model: stop, naming both hashes."""
+        theirs = self._last_step_info.get("init_sha256")
+        if theirs is not None and theirs != self.init_sha256:
+            raise DumbDiLoCoError(
+                f"node {self.s.node_id}: initial weights differ from the master's (sha256 {self.init_sha256} "
+                f"here, {theirs} on {self._last_step_info.get('master', 'the master')}): use the master's "
+                "seed, model config and transformers version"
+            )
 
     def start(self) -> None:
         """Called once the trainer has restored its checkpoint, before the first forward pass: every
@@ -524,6 +540,7 @@ class Coordinator:
             publish_state=self.s.publish_master_state,
             keep_deltas=self.s.keep_deltas,
             lease_seconds=self.s.lease_seconds,
+            init_sha256=self.init_sha256,
         )
         if repo is not None and chosen is None:
             n = self.outer.mark_existing_as_processed()

@@ -408,9 +408,11 @@ class OuterLoop:
         keep_deltas: int = 0,
         lease_seconds: float = 0.0,
         wall_clock: Callable[[], float] = time.time,
+        init_sha256: str | None = None,
     ):
         self.transport, self.state = transport, state
         self.node_id = node_id
+        self.init_sha256 = init_sha256  # the master's initial weights, published for workers to compare
         self.allowed = frozenset(collaborators) | {node_id} if collaborators else None  # None: every node
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.poll_interval, self.state_dir, self.max_file_bytes = poll_interval, state_dir, max_file_bytes
@@ -708,6 +710,7 @@ class OuterLoop:
             "global_sha256": parse_header(blob).metadata["payload_sha256"],
             "outer_lr": self.outer_lr,
             "outer_momentum": self.outer_momentum,
+            **({"init_sha256": self.init_sha256} if self.init_sha256 else {}),
             "deltas": [
                 {
                     "node_id": e.node_id,
