@@ -52,7 +52,8 @@ class DiLoCo:
         from diloco.distributed import DataParallel
 
         check_distributed(dcfg)
-        inner = DataParallel(dcfg, ctx, model, group=ctx.worker_group)  # checks shapes and initial weights (SHA-256)
+        # DDP inside the worker; also checks that every rank holds the same shapes and initial weights
+        inner = DataParallel(dcfg, ctx, model, group=ctx.worker_group)
         timeout = dcfg.timeout_seconds
         return cls(
             model, optimizer, comm.group_collective(ctx.cross_group, timeout),
