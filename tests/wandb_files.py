@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2 as pb
@@ -43,14 +44,31 @@ def records(path: Path) -> list:
     return out
 
 
+def complete_records(path: Path, deadline_s: float = 120.0) -> list:
+    """The records of a finished run's file. W&B's service writes the file in the background and may
+    still be writing after `wandb.finish()` returned: wait (up to a deadline) for its last record,
+    `exit`."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            found = records(path)
+        except Exception:  # a chunk still being written
+            found = []
+        if found and found[-1].WhichOneof("record_type") == "exit":
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path}: W&B did not finish writing it within {deadline_s:g}s")
+        time.sleep(0.1)
+
+
 def run_record(path: Path):
-    return next(r.run for r in records(path) if r.WhichOneof("record_type") == "run")
+    return next(r.run for r in complete_records(path) if r.WhichOneof("record_type") == "run")
 
 
 def history(path: Path) -> list[dict]:
     """Each history row as {key: value}."""
     rows = []
-    for r in records(path):
+    for r in complete_records(path):
         if r.WhichOneof("record_type") == "history":
             rows.append({".".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item})
     return rows
