@@ -68,7 +68,8 @@ class FakeClock:
 
 class Spy:
     """A Transport that records every call (with the calling thread) and can fail or block writes,
-    revisions and reads."""
+    and fail or hold revisions. A blocked write or a held revision waits for its event (60 s at most:
+    only a failing test waits that long)."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -77,6 +78,10 @@ class Spy:
         self.fail_revisions = 0
         self.block_writes: threading.Event | None = None
         self.writes_started = threading.Event()
+        # revision() waits while this event is unset: a poll or an outer round stops before it reads
+        # the repository (a paused reader); `revisions_held` is set once a call waits there
+        self.hold_revisions: threading.Event | None = None
+        self.revisions_held = threading.Event()
 
     def _rec(self, op: str, arg: str = "") -> None:
         self.calls.append((op, arg, threading.current_thread().name))
@@ -86,6 +91,9 @@ class Spy:
 
     def revision(self):
         self._rec("revision")
+        if self.hold_revisions is not None and not self.hold_revisions.is_set():
+            self.revisions_held.set()
+            self.hold_revisions.wait(60)
         if self.fail_revisions > 0:
             self.fail_revisions -= 1
             raise TransientError("injected: revision failed")
@@ -107,7 +115,7 @@ class Spy:
         self._rec("write", ",".join(files))
         self.writes_started.set()
         if self.block_writes is not None:
-            self.block_writes.wait(10)
+            self.block_writes.wait(60)
         if self.fail_writes > 0:
             self.fail_writes -= 1
             raise TransientError("injected: commit failed after retries")

@@ -94,6 +94,13 @@ class _Fault:
     rng: random.Random | None = None
 
 
+class _Server(ThreadingHTTPServer):
+    # socketserver listens with a backlog of 5: with several processes' uploads, polls and outer rounds
+    # connecting at once while this process waits for a core on a loaded machine, the connections past
+    # the backlog would wait for a SYN retransmission (1 s, then 3 s, ...)
+    request_queue_size = 128
+
+
 class HubServer:
     """Start with `start()` (or use as a context manager); `url` is the endpoint."""
 
@@ -119,7 +126,7 @@ class HubServer:
         class Handler(_Handler):
             hub = server
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd = _Server(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, args=(0.05,), name="hub-server", daemon=True

@@ -5,13 +5,19 @@ torchrun would give them (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER
 `function(**kwargs)` in each (module imported from tests/), and returns what each returned.
 `run_trainer(n, overrides)` starts n ranks of `python -m diloco.train` the same way. Both enforce a
 timeout and kill their own stragglers (by pid) whatever happens.
+
+The rendezvous cannot race for a port: this process hosts the job's TCPStore on a port the kernel
+picked (bound to port 0 and kept bound until the job is over), and the ranks join it as clients, as
+torchrun's workers join their agent's store: with TORCHELASTIC_USE_AGENT_STORE=True,
+`init_process_group` (env://, as the trainer calls it) connects to MASTER_PORT instead of serving on
+it. (Asking the kernel for a free port, closing it and handing the number to rank 0 to bind again
+loses that port to any other process that binds in between, which happens on a loaded machine.)
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,12 +37,6 @@ QUIET_ENV = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def rank_env(rank: int, world: int, per_node: int, port: int) -> dict[str, str]:
     return {
         **os.environ,
@@ -47,7 +47,14 @@ def rank_env(rank: int, world: int, per_node: int, port: int) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": str(per_node),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # join the store at MASTER_PORT (see the module docstring)
     }
+
+
+class Job(list):
+    """The ranks' Popen objects (a list), and the TCPStore they rendezvous on, alive as long as the job."""
+
+    store: object = None
 
 
 @dataclass
@@ -59,12 +66,16 @@ class RankResult:
     seconds: float
 
 
-def start(cmds: list[list[str]], per_node: int | None = None, env: dict | None = None):
-    """Start one process per command as ranks 0..n-1 of one job; returns the Popen objects."""
-    n, port = len(cmds), free_port()
-    procs = []
+def start(cmds: list[list[str]], per_node: int | None = None, env: dict | None = None) -> Job:
+    """Start one process per command as ranks 0..n-1 of one job; returns the Popen objects (a Job)."""
+    from torch.distributed import TCPStore
+
+    n = len(cmds)
+    procs = Job()
+    # port 0: the kernel picks a free port and the store keeps it bound; the ranks only connect to it
+    procs.store = TCPStore("127.0.0.1", 0, world_size=n, is_master=True, wait_for_workers=False)
     for rank, cmd in enumerate(cmds):
-        e = {**rank_env(rank, n, per_node or n, port), **(env or {})}
+        e = {**rank_env(rank, n, per_node or n, procs.store.port), **(env or {})}
         procs.append(
             subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
@@ -101,13 +112,13 @@ def check(results: list[RankResult], what: str) -> list[RankResult]:
     return results
 
 
-def run_trainer(nprocs: int, overrides: list[str], per_node: int | None = None, timeout: float = 120):
+def run_trainer(nprocs: int, overrides: list[str], per_node: int | None = None, timeout: float = 300):
     """n ranks of the real trainer; asserts that every rank exited 0 and returns their results."""
     procs = start([[sys.executable, "-m", "diloco.train", *overrides]] * nprocs, per_node)
     return check(wait(procs, timeout), "diloco.train")
 
 
-def run_ranks(target: str, nprocs: int, timeout: float = 60, per_node: int | None = None, **kwargs):
+def run_ranks(target: str, nprocs: int, timeout: float = 300, per_node: int | None = None, **kwargs):
     """Call tests/<module>.<function>(**kwargs) in n gloo ranks; the list of return values, by rank."""
     with tempfile.TemporaryDirectory() as tmp:
         args = Path(tmp) / "args.pkl"

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from mp_utils import QUIET_ENV, ROOT, free_port
+from mp_utils import QUIET_ENV, ROOT
 from trainer_utils import SMALL, read_metrics
 
 from diloco import checkpoint
@@ -22,13 +22,15 @@ def test_ddp_under_torchrun_counts_bytes_and_keeps_ranks_identical(tmp_path):
     import os
 
     steps = 3
+    # --standalone: torchrun's agent binds its rendezvous store to port 0 and keeps it, and the ranks join it
+    # as clients, so no port is picked, released and bound again (a race with other processes under load)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "-m", "diloco.train", *SMALL, "distributed=ddp", f"train.max_steps={steps}", "train.micro_batch_size=1",
         f"out_dir={tmp_path}", "run_name=ddp",
     ]  # fmt: skip
     done = subprocess.run(
-        cmd, cwd=ROOT, env={**os.environ, **QUIET_ENV}, capture_output=True, text=True, timeout=180
+        cmd, cwd=ROOT, env={**os.environ, **QUIET_ENV}, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
 

@@ -5,6 +5,12 @@ checked by the server), with v1 (synchronous) and v2 (background upload/poll) tr
 Checks, from the repository, the master's state and the nodes' logs: outer steps advanced, every
 delta in the repository was applied exactly once, the workers installed globals newer than the first,
 and the final global model evaluates better than the initial one.
+
+Each node is `python -m diloco.train` run through this file (`python tests/test_dumb_e2e.py <dir>
+<overrides>`), which adds two rendezvous so that no check depends on how fast the processes run:
+the master ends its run (its last outer round) only after both workers exited, so every delta is in
+the repository by then; and a worker takes its last boundary only once a global newer than the first is
+published and fetched, so that boundary installs it.
 """
 
 from __future__ import annotations
@@ -55,9 +61,11 @@ COMMON = [
     # with one round of all deltas per H; see docs/dumb_diloco.md), 0.7/0.3 trains.
     "distributed.outer_lr=0.7",
     "distributed.outer_momentum=0.3",
-    "distributed.startup_timeout=90",
-    "distributed.shutdown_timeout=30",
+    "distributed.startup_timeout=240",
+    "distributed.shutdown_timeout=120",
 ]
+DEADLINE = 240  # s: the longest a node or a rendezvous may take before it counts as a failure
+WORKERS_DONE = "workers-done"  # rendezvous file: the test writes it once both workers exited
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -73,27 +81,32 @@ def _env(**extra: str) -> dict[str, str]:
     return env | extra
 
 
-def run_nodes(tmp_path: Path, repo_id: str, mode: str, env: dict[str, str], timeout: float = 150):
-    """Start the three nodes (workers first: they wait for the master's first global); wait for all."""
+def run_nodes(tmp_path: Path, repo_id: str, mode: str, env: dict[str, str], timeout: float = DEADLINE):
+    """Start the three nodes (workers first: they wait for the master's first global); wait for the
+    workers, tell the master they are gone (it runs its last round after that), wait for the master."""
     asyncio = "true" if mode == "v2" else "false"
     procs = []
     for i, (role, node_id) in reversed(list(enumerate(NODES))):
         cmd = [
-            sys.executable, "-m", "diloco.train", *COMMON,
+            sys.executable, str(Path(__file__).resolve()), str(tmp_path), *COMMON,
             f"distributed.role={role}", f"distributed.node_id={node_id}", f"distributed.repo_id={repo_id}",
             f"distributed.async_delta_upload={asyncio}", f"distributed.async_global_poll={asyncio}",
             f"distributed.state_dir={tmp_path / 'state'}", f"data.shard={i}", f"data.num_shards={len(NODES)}",
             f"out_dir={tmp_path / 'runs'}", f"run_name={node_id}",
         ]  # fmt: skip
         if role == "master":
-            cmd.append("distributed.drain_seconds=5")  # take the workers' last deltas (slow CI)
+            # one last round is enough: it starts after the workers exited (see _run_node), so every delta
+            # they uploaded is in the repository by then
+            cmd.append("distributed.drain_seconds=0")
         log = open(tmp_path / f"{node_id}.out", "w")
         procs.append(
             (node_id, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log)
         )
     t0 = time.monotonic()
     try:
-        for node_id, p, log in procs:
+        for node_id, p, log in procs:  # the workers, then the master
+            if node_id == NODES[0][1]:
+                (tmp_path / WORKERS_DONE).touch()
             p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
             log.close()
             out = (tmp_path / f"{node_id}.out").read_text()
@@ -190,3 +203,62 @@ def test_master_and_two_workers_over_the_hub(tmp_path, mode):
     for path in tmp_path.rglob("*"):  # the token is in no log, config, summary or state file
         if path.is_file() and "hf_home" not in path.parts:
             assert TOKEN.encode() not in path.read_bytes(), path
+
+
+# ----------------------------------------------------------------------------------- the node processes
+
+
+def _wait_for(pred, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not pred():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"e2e rendezvous: timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _published_step(transport) -> int:
+    from diloco.dumb_diloco.transport import RemoteNotFound
+
+    try:
+        return json.loads(transport.read(GLOBAL_STEP_PATH))["outer_step"]
+    except RemoteNotFound:
+        return -1
+
+
+def _run_node(rendezvous: Path, overrides: list[str]) -> None:
+    """`python -m diloco.train <overrides>`, with the module docstring's two rendezvous."""
+    import runpy
+
+    from diloco.dumb_diloco.coordinator import Coordinator, DumbDiLoCo
+
+    finish = DumbDiLoCo.finish
+
+    def finish_after_the_workers(self):  # at the end of training; on the master, its last round follows
+        if self.coordinator.s.is_master:
+            _wait_for((rendezvous / WORKERS_DONE).exists, "the workers to exit")
+        return finish(self)
+
+    on_step = Coordinator.on_step
+
+    def on_step_installing_at_the_end(self, local_step):
+        if local_step == STEPS and not self.s.is_master and self.installed_outer_step < 1:
+            # The last boundary installs a staged global newer than the first one. Stage it: wait for one
+            # in the repository, for the upload in flight (a busy uploader would skip the boundary), and
+            # for a poll that started after it was published (v2; v1 polls at the boundary itself).
+            _wait_for(lambda: _published_step(self.transport) >= 1, "the master's outer step 1")
+            if self._uploader is not None:
+                _wait_for(lambda: not self._uploader.busy, "the upload in flight")
+            if self._poller is not None:
+                _wait_for(lambda: not self._poller.busy, "the poll in flight")
+                assert self._poller.submit()
+                _wait_for(lambda: not self._poller.busy, "a poll of the newer global")
+        return on_step(self, local_step)
+
+    DumbDiLoCo.finish = finish_after_the_workers
+    Coordinator.on_step = on_step_installing_at_the_end
+    sys.argv = [sys.argv[0], *overrides]
+    runpy.run_module("diloco.train", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    _run_node(Path(sys.argv[1]), sys.argv[2:])

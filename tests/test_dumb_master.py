@@ -49,6 +49,14 @@ def setup(tmp_path):
     return loop, repo, snapshots
 
 
+def wait_until(cond, timeout: float = 60.0) -> None:
+    """Poll `cond` until it holds; fail after `timeout` s (generous: only a failing test waits that long)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def published(repo):
     tensors, meta = decode(repo.read(GLOBAL_WEIGHTS_PATH), max_bytes=2**20)
     return tensors, meta, json.loads(repo.read(GLOBAL_STEP_PATH))
@@ -270,18 +278,20 @@ def test_outer_thread_survives_errors_and_never_touches_the_live_model(tmp_path)
     coord.start()
     live = model.w.detach().clone()
     repo.fail_revisions = 2  # two rounds fail: logged, counted, the thread goes on
-    put_delta(repo.inner, "w9", 3, g(1.0))
-    deadline = time.monotonic() + 10
-    while coord._newest_known() < 1:  # the outer loop notified the training thread
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    assert coord.outer.errors >= 2
+    wait_until(lambda: coord.outer.errors >= 2)
+    put_delta(repo.inner, "w9", 3, g(1.0))  # only now: the thread went on after its errors
+    wait_until(lambda: coord._newest_known() >= 1)  # the outer loop notified the training thread
+    # Hold the outer loop at its next round's first read, so that it cannot apply the master's own delta
+    # of step 3 (uploaded at that boundary, before the install) and stage a newer global first.
+    repo.hold_revisions = threading.Event()
+    assert repo.revisions_held.wait(60)
     notified = coord._staged.state["w"].clone()
     assert not torch.equal(notified, live)
     assert torch.equal(model.w.detach(), live)  # only the training thread installs, at a boundary
     coord.on_step(1), coord.on_step(2)
     assert torch.equal(model.w.detach(), live)
     assert coord.on_step(3).installed and torch.equal(model.w.detach(), notified)
+    repo.hold_revisions.set()
     coord.close()
     assert not coord.outer._thread.is_alive()
 
@@ -302,14 +312,20 @@ def test_collaborators_is_an_allowlist(tmp_path, caplog):
 def test_close_runs_a_last_round_and_drains_late_deltas(tmp_path):
     model = Tiny()
     repo = DirectoryTransport(tmp_path / "repo")
-    s = settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05, drain_seconds=0.5)
+    s = settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05, drain_seconds=2.0)
     coord = Coordinator(model, s, repo)
     coord.start()
-    timer = threading.Timer(0.2, put_delta, (repo, "late", 3, g(1.0)))
-    timer.start()
+    last_round, late = coord.outer._last_round, []
+
+    def last_round_then_a_late_delta(*args, **kwargs):
+        last_round(*args, **kwargs)
+        if not late:  # arrives after close()'s last round listed the repository: only the drain can take it
+            put_delta(repo, "late", 3, g(1.0))
+            late.append("late@3")
+
+    coord.outer._last_round = last_round_then_a_late_delta
     coord.close()  # returns once no delta arrived for drain_seconds
-    timer.join()
-    assert [e.node_id for e in coord.outer.state.ledger.entries()] == ["late"]
+    assert late and [e.node_id for e in coord.outer.state.ledger.entries()] == ["late"]
     assert MasterState.load(tmp_path / "state" / "m").outer_step == 1
 
 

@@ -18,11 +18,26 @@ from diloco.dumb_diloco.master import (
     LEASE_PATH,
     MasterState,
     OuterLoop,
+    lease_holder,
 )
 from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, decode, delta_path
 from diloco.dumb_diloco.transport import DirectoryTransport
 
 pytestmark = pytest.mark.usefixtures("no_network")
+
+
+def wait_until(cond, timeout: float = 60.0) -> None:
+    """Poll `cond` until it holds; fail after `timeout` s (generous: only a failing test waits that long)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def wait_for_lease_expiry(transport) -> None:
+    """Until the lease in the repository (written by a master that stopped) is older than its lease_seconds."""
+    lease = json.loads(transport.read(LEASE_PATH))
+    wait_until(lambda: time.time() - lease["heartbeat"] > lease["lease_seconds"])
 
 
 def master(tmp_path, node_id="m", state_dir=None, spy=False, **kw) -> Coordinator:
@@ -59,8 +74,7 @@ def test_replacement_master_continues_exactly_from_the_repository(tmp_path):
     a = master(tmp_path, lease_seconds=0)
     a.start()
     put_delta(a.transport, "w1", 3, g(1.0))
-    while a.outer.state.outer_step < 1:
-        time.sleep(0.02)
+    wait_until(lambda: a.outer.state.outer_step >= 1)
     put_delta(a.transport, "w1", 6, g(-0.5), base=1)
     a.close()
     before = MasterState.from_checkpoint(a.outer.state.to_checkpoint())
@@ -125,11 +139,13 @@ def test_gc_never_blocks_a_publication(tmp_path):
 def test_second_master_refuses_while_the_lease_is_fresh_and_takes_over_after(tmp_path, caplog):
     a = master(tmp_path, lease_seconds=1.0)
     a.start()
-    b = master(tmp_path, node_id="m2", state_dir=tmp_path / "other", lease_seconds=1.0)
+    # a lease is fresh for the longer of the holder's lease_seconds and the newcomer's (300 s here), so a's
+    # is fresh when b looks however slow the machine (the rule itself: the test after this one)
+    b = master(tmp_path, node_id="m2", state_dir=tmp_path / "other", lease_seconds=300)
     with pytest.raises(DumbDiLoCoError, match=r"held by master 'm'.*one master per repository"):
         b.start()
     a.close()
-    time.sleep(1.1)  # the lease expires
+    wait_for_lease_expiry(a.transport)  # a's last heartbeat is more than its 1 s old
     b = master(tmp_path, node_id="m2", state_dir=tmp_path / "other", lease_seconds=1.0)
     b.start()
     try:
@@ -138,15 +154,30 @@ def test_second_master_refuses_while_the_lease_is_fresh_and_takes_over_after(tmp
         b.close()
 
 
+def test_a_lease_is_fresh_for_the_longer_of_the_holders_and_the_readers_lease_seconds(tmp_path):
+    repo = DirectoryTransport(tmp_path / "repo")
+    repo.write({LEASE_PATH: json.dumps({"master": "m", "heartbeat": 1000.0, "lease_seconds": 10}).encode()})
+    assert lease_holder(repo, "m", 10, now=1001.0) is None  # a master's own lease never holds it back
+    assert lease_holder(repo, "m2", 10, now=1009.5) == ("m", 9.5)
+    assert lease_holder(repo, "m2", 1, now=1009.5) == ("m", 9.5)  # the holder's 10 s, not the reader's 1 s
+    assert lease_holder(repo, "m2", 10, now=1010.0) is None  # expired
+    assert lease_holder(repo, "m2", 60, now=1030.0) == ("m", 30.0)  # the reader's longer lease counts too
+
+
 def test_a_master_whose_lease_was_taken_stops_publishing(tmp_path):
     a = master(tmp_path, lease_seconds=0.3)
     a.start()
     a.outer.stop()  # a hangs (no heartbeats) long enough for its lease to expire
-    time.sleep(0.35)
+    wait_for_lease_expiry(a.transport)
     b = master(tmp_path, node_id="m2", state_dir=tmp_path / "other", lease_seconds=0.3)
     b.start()
+    lease = json.loads(b.transport.read(LEASE_PATH))
+    assert lease["master"] == "m2"
+    # a comes back within b's lease (by a's clock: on a loaded machine real time may already be past b's
+    # 0.3 s, and b's heartbeats are a thread's); it sees b's fresh lease and stands down
+    a.outer.wall_clock = lambda: lease["heartbeat"]
     a.outer._last_lease_write = -1e9
-    a.outer.heartbeat()  # a comes back: sees b's fresh lease and stands down
+    a.outer.heartbeat()
     assert "m2" in a.outer.fenced and not a.outer.publish()
     b.close()
     a.close()

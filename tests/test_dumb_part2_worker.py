@@ -23,7 +23,9 @@ def read_delta(transport, node_id, step):
 
 def step(coord, i):
     coord.on_step(i)
+    deadline = time.monotonic() + 60
     while coord._uploader is not None and coord._uploader.busy:  # v2: no boundary skipped for a busy uploader
+        assert time.monotonic() < deadline, "the upload never finished"
         time.sleep(0.01)
 
 
@@ -106,12 +108,14 @@ def test_bounded_shutdown_reports_the_delta_it_could_not_upload(tmp_path, caplog
     import threading
 
     coord, repo, model = worker(tmp_path, inner_steps=1, async_delta_upload=True, shutdown_timeout=0.2)
-    repo.block_writes = threading.Event()  # the repository hangs
+    repo.block_writes = threading.Event()  # the repository hangs (until the end of this test, 60 s at most)
     nudge(model, 0.1)
     coord.on_step(1)
-    repo.writes_started.wait(5)
+    assert repo.writes_started.wait(60)
     t0 = time.monotonic()
     coord.close()
-    assert time.monotonic() - t0 < 3
+    # close() gave up after shutdown_timeout: the write is still blocked, and waiting for it would have
+    # taken the blocked write's 60 s (the bound leaves a loaded machine all the rest)
+    assert coord._uploader.busy and time.monotonic() - t0 < 30
     assert "nodes/w1/delta_1.safetensors (1 step(s)) was still uploading" in caplog.text
     repo.block_writes.set()

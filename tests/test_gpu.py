@@ -91,5 +91,9 @@ def test_dumb_diloco_master_and_worker_on_the_device(tmp_path):
     info = json.loads(transport.read(GLOBAL_STEP_PATH))
     tensors, _ = decode(transport.read(GLOBAL_WEIGHTS_PATH), max_bytes=2**28)
     assert info["outer_step"] >= 1 and all(torch.isfinite(t).all() for t in tensors.values())
-    assert _summary(tmp_path / "worker")["comm/uploads"] == STEPS // 4
+    worker = _summary(tmp_path / "worker")
+    # v2: a boundary that finds the previous upload in flight is skipped (its steps go into the next delta),
+    # so how many of the STEPS // 4 boundaries uploaded depends on the device's speed; the first always does
+    assert worker["comm/boundaries"] == STEPS // 4 and worker["comm/uploads"] >= 1
+    assert worker["comm/uploads"] + worker["comm/skipped_boundaries"] == STEPS // 4
     assert _summary(tmp_path / "master")["dumb_diloco/role"] == "master"

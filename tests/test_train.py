@@ -138,9 +138,16 @@ def test_ctrl_c_keeps_checkpoint_and_metrics(tmp_path):
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     metrics = tmp_path / "sigint" / "metrics.jsonl"
-    deadline = time.time() + 90
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 12):
-        time.sleep(0.2)
+    deadline = time.monotonic() + 300
+    try:  # past step 10 (a periodic checkpoint), so the signal arrives in the training loop
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 12:
+            assert time.monotonic() < deadline, "the run never reached step 12"
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            time.sleep(0.2)
+    except BaseException:
+        proc.kill()
+        proc.communicate()
+        raise
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

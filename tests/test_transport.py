@@ -176,6 +176,7 @@ def test_directory_multi_file_write_is_atomic_for_a_concurrent_reader(tmp_path):
     done = threading.Event()
     seen: list[tuple[bytes, bytes]] = []
     errors: list[BaseException] = []
+    progress = threading.Condition()
 
     def read_loop():
         try:
@@ -184,21 +185,33 @@ def test_directory_multi_file_write_is_atomic_for_a_concurrent_reader(tmp_path):
                 w, s = reader.read(W, revision=rev), reader.read(S, revision=rev)
                 listed = {f.path: f.size for f in reader.list("global", revision=rev)}
                 assert listed == {W: len(w), S: len(s)}
-                seen.append((w, s))
+                with progress:
+                    seen.append((w, s))
+                    progress.notify_all()
         except BaseException as err:  # surfaced below
             errors.append(err)
+            with progress:
+                progress.notify_all()
 
     thread = threading.Thread(target=read_loop)
     thread.start()
-    for i in range(1, units + 1):
-        # the sizes differ between units too, so a mix would show in the listing as well
-        writer.write({W: b"w%d" % i + b"." * i, S: b"%d" % i})
-    done.set()
-    thread.join(30)
+    try:
+        for i in range(1, units + 1):
+            # the sizes differ between units too, so a mix would show in the listing as well
+            writer.write({W: b"w%d" % i + b"." * i, S: b"%d" % i})
+            # The reader reads on while the next write runs. Before it, wait for two more of its reads: the
+            # second began after this write, so every unit is seen, however the threads are scheduled.
+            with progress:
+                n = len(seen)
+                progressed = progress.wait_for(lambda n=n: errors or len(seen) >= n + 2, timeout=60)
+            assert progressed and not errors, errors[0] if errors else "the reader stalled"
+    finally:
+        done.set()
+        thread.join(60)
     assert not errors, errors[0]
-    assert len(seen) > 5
     for w, s in seen:
         assert w.split(b".")[0] == b"w" + s, (w, s)  # both files from the same unit
+    assert {s for _, s in seen} >= {b"%d" % i for i in range(1, units + 1)}
 
 
 def test_directory_concurrent_writers_lose_nothing(tmp_path):
@@ -225,13 +238,30 @@ def test_directory_concurrent_writers_lose_nothing(tmp_path):
     assert int(t.revision()) == per_node * nodes
 
 
-def test_directory_old_versions_kept_for_grace_period_then_collected(tmp_path):
+class _WallClock:
+    """The transport module's `time`, with a wall clock (time.time) that moves only when told to."""
+
+    def __init__(self):
+        self.now = time.time()
+
+    def time(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+def test_directory_old_versions_kept_for_grace_period_then_collected(tmp_path, monkeypatch):
+    import diloco.dumb_diloco.transport as transport_module
+
+    clock = _WallClock()  # commit times and the collector's "now" come from it: no race with a slow disk
+    monkeypatch.setattr(transport_module, "time", clock)
     repo = DirectoryTransport(tmp_path / "repo", keep_old_versions_s=0.3)
     r1 = repo.write({W: b"old", S: b"1"})
     repo.write({W: b"new", S: b"2"})
     r3 = repo.delete([S])
     assert repo.read(W, revision=r1) == b"old" and repo.read(S, revision=r1) == b"1"
-    time.sleep(0.4)
+    clock.now += 0.4
     repo.write({W: b"newest"})  # collection runs in writers, on the directories they touch
     with pytest.raises(RemoteNotFound):
         repo.read(W, revision=r1)
