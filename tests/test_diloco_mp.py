@@ -166,6 +166,21 @@ def mismatched_model(ctx) -> str | None:
     return None
 
 
+def differently_initialised_model(ctx) -> str | None:
+    """Same shapes, other initial values on rank 1 (another seed or transformers version)."""
+    from diloco.distributed import DistributedError
+
+    model = TinyModel()
+    if ctx.rank == 1:
+        with torch.no_grad():
+            model.fc2.bias.add_(1e-6)
+    try:
+        DiLoCo.from_config(diloco_cfg().distributed, ctx, model, torch.optim.SGD(model.parameters(), lr=0.1))
+    except DistributedError as e:
+        return str(e)
+    return None
+
+
 def hung_peer(ctx, timeout: float) -> dict:
     """Rank 1 stops answering (alive, sockets open); rank 0 must get a CommError after ~timeout.
     The short timeout is given to a group of its own, so that slow start-up elsewhere cannot trip it."""
@@ -202,6 +217,7 @@ def two_rank_job(dtypes: list[str], collective_timeout: float) -> dict:
     out = diloco_runs(ctx, cfg, dtypes, micro=4)
     out["ddp"] = ddp_rank(ctx)
     out["mismatch"] = mismatched_model(ctx)
+    out["other_init"] = differently_initialised_model(ctx)
     out["hang"] = hung_peer(ctx, collective_timeout)
     return out
 
@@ -267,6 +283,16 @@ def test_ddp_over_two_processes_equals_one_process_with_the_global_batch(two_ran
     for r in two_ranks:
         torch.testing.assert_close(r["ddp"]["weights"], want, rtol=1e-5, atol=1e-6)
     assert torch.equal(two_ranks[0]["ddp"]["weights"], two_ranks[1]["ddp"]["weights"])
+
+
+def test_ranks_with_other_initial_weights_are_refused_naming_both_hashes(two_ranks):
+    from diloco.model import weights_sha256
+
+    same = weights_sha256(TinyModel())
+    for r in two_ranks:
+        e = r["other_init"]
+        assert e is not None and e.startswith("initial weights differ across ranks")
+        assert f"ranks [0] have {same}" in e and "ranks [1] have " in e
 
 
 def test_mismatched_models_are_refused_at_start(two_ranks):
