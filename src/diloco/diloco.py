@@ -30,6 +30,7 @@ import torch
 from diloco import comm
 from diloco.checkpoint import CheckpointError
 from diloco.config import check_distributed
+from diloco.outer import OuterOptimizer
 
 
 def make_buckets(params: list[torch.Tensor], bucket_size_mb: float) -> list[list[torch.Tensor]]:
@@ -82,8 +83,8 @@ class DiLoCo:
             self.global_params = [
                 torch.cat([p.reshape(-1).float() for p in b]).to(home) for b in self.buckets
             ]
-        self.outer_optimizer = _outer_sgd(
-            self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
+        self.outer_optimizer = OuterOptimizer(
+            self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
         )
         # On the CPU a fresh 128 MB buffer costs page faults every round (several times a copy): reuse them.
         self._pseudo_grads = (
@@ -151,7 +152,7 @@ class DiLoCo:
         """Average the pseudo-gradients, step the outer optimizer, restart from the new global weights."""
         self.outer_round += 1
         self.meter.begin()
-        mean_sq = []
+        mean_sq, grads = [], []
         for b, (params, sizes, theta) in enumerate(zip(self.buckets, self.sizes, self.global_params)):
             owner = b % self.intra.size  # the rank of this worker that all-reduces bucket b
             pseudo_grad = (  # [n] float32
@@ -166,15 +167,14 @@ class DiLoCo:
                 self.averager.average_(pseudo_grad, sizes)  # 1/W sum_i, in pseudo_grad_dtype on the wire
             self.intra.broadcast_(pseudo_grad, src=owner, tag="intra_worker")
             mean_sq.append(torch.linalg.vector_norm(pseudo_grad).double().square())  # one pass, no copy
-            theta.grad = pseudo_grad.to(theta.device)
+            grads.append(pseudo_grad.to(theta.device))
         norm = math.sqrt(torch.stack(mean_sq).sum().item())
         if not math.isfinite(norm):  # the same on every rank: all fail together, nothing is applied
             raise FloatingPointError(
                 f"outer step {self.outer_round}: the averaged pseudo-gradient is not finite (training "
                 f"diverged, or the {self.averager.dtype} sum overflowed: try fp16_scaling=true or float32)"
             )
-        self.outer_optimizer.step()  # theta_t
-        self.outer_optimizer.zero_grad(set_to_none=True)
+        self.outer_optimizer.step(grads)  # theta_t
         for params, theta in zip(self.buckets, self.global_params):  # every rank restarts from theta_t
             torch._foreach_copy_(params, _views(theta.to(self.device), params))
         if self.reset_inner_optimizer:
@@ -188,7 +188,7 @@ class DiLoCo:
         self.metric_bytes += m["metric"]
         self.comm_seconds += m["seconds"]
         out = {
-            "outer_lr": self.outer_optimizer.param_groups[0]["lr"],
+            "outer_lr": self.outer_optimizer.lr,
             "num_peers": self.cross.size,
             "outer/round": self.outer_round,
             "outer/pseudo_grad_norm": norm,
@@ -255,15 +255,6 @@ class DiLoCo:
 
     def _intra_bytes(self) -> int:  # this rank, inside its worker: DDP gradients + mean broadcasts
         return self.intra.sent.get("intra_worker", 0) + self._ddp_bytes()
-
-
-def _outer_sgd(params: list[torch.Tensor], **hyper) -> torch.optim.SGD:
-    """torch.optim.SGD, fused (one pass over weights, momentum and gradient, no temporaries; the same
-    results) where this torch supports it for these tensors."""
-    try:
-        return torch.optim.SGD(params, **hyper, fused=True)
-    except (RuntimeError, TypeError, ValueError):
-        return torch.optim.SGD(params, **hyper)
 
 
 def _views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,0 +1,52 @@
+"""What the trainer (train.py) asks of a distributed strategy, in the order it asks it.
+
+    strategy = build_strategy(cfg, ctx, model, optimizer)   # no I/O, no threads, no collectives yet
+    train_model = strategy.wrap(model)                     # DDP inside a worker, or the model itself
+    strategy.load_state_dict(state["strategy"])            # only when resuming
+    strategy.start()                                       # connect, start threads, first rendezvous
+    for every step:
+        with strategy.grad_sync(last_micro_step):          # around each micro-step's backward
+            ...
+        metrics = strategy.after_inner_step(step)          # after each optimizer step: outer rounds
+        with strategy.eval_weights(step): evaluate(model)  # the weights that represent the run
+    changed = strategy.finish()                            # end of training, before the final evaluation
+    strategy.state_dict()                                  # any checkpoint, the last one after finish()
+    strategy.summary()                                     # pure: figures for summary.json
+    strategy.close()                                       # always, also after an error; idempotent
+
+`num_workers` is how many workers' samples one step stands for (effective_step, tokens_seen).
+Implementations: LocalTraining and DataParallel (distributed.py), DiLoCo (diloco.py), DumbDiLoCo
+(dumb_diloco/node.py). docs/architecture.md draws the whole data flow.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Protocol
+
+import torch
+
+
+class Strategy(Protocol):
+    name: str
+    num_workers: int
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module: ...
+
+    def start(self) -> None: ...
+
+    def grad_sync(self, last_micro_step: bool) -> AbstractContextManager: ...
+
+    def after_inner_step(self, step: int) -> dict[str, float]: ...
+
+    def eval_weights(self, step: int) -> AbstractContextManager: ...
+
+    def finish(self) -> bool: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def summary(self) -> dict: ...
+
+    def close(self) -> None: ...
