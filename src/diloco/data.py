@@ -25,7 +25,10 @@ import copy
 import gzip
 import hashlib
 import json
+import os
+import queue
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -307,3 +310,61 @@ def eval_batches(
     if not out:
         raise DataError(f"eval split {data_cfg.eval_split!r} has no documents")
     return out
+
+
+class PrefetchedStream:
+    """The training stream with the next micro-batches read and tokenised on a background thread while
+    the model computes (tokenizers and torch release the GIL): data preparation leaves the step's
+    critical path. `state_dict()` is the position after the last batch handed out, so checkpoints and
+    resume stay exact."""
+
+    def __init__(self, stream: SequenceStream, batch_size: int, depth: int = 2):
+        # This thread is the data pipeline's parallelism: a tokenizer thread pool on top would compete
+        # with torch's threads for the cores (an explicit TOKENIZERS_PARALLELISM is respected).
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.stream, self.batch_size = stream, batch_size
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._state = stream.state_dict()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _fill(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = (self.stream.next_batch(self.batch_size), self.stream.state_dict(), None)
+            except Exception as e:  # raised on the training thread when it asks for this batch
+                item = (None, None, e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    pass
+            if item[2] is not None:
+                return
+
+    def next_batch(self, batch_size: int):
+        if batch_size != self.batch_size:
+            raise ValueError(f"prefetching batches of {self.batch_size}, asked for {batch_size}")
+        if self._thread is None:  # started late: a resumed position is loaded first
+            self._thread = threading.Thread(target=self._fill, name="data-prefetch", daemon=True)
+            self._thread.start()
+        batch, state, error = self._queue.get()
+        if error is not None:
+            raise error
+        self._state = state
+        return batch
+
+    def state_dict(self) -> dict:
+        return self._state
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the data position can only be restored before the first batch")
+        self.stream.load_state_dict(state)
+        self._state = self.stream.state_dict()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)

@@ -73,6 +73,7 @@ class DiLoCo:
         self.inner_optimizer, self.inner_steps = inner_optimizer, inner_steps
         self.reset_inner_optimizer = reset_inner_optimizer
         self.cross, self.intra = cross, intra or comm.SoloCollective()
+        self.num_workers = cross.size
         self.inner_strategy = inner_strategy
         self.averager = comm.Averager(cross, pseudo_grad_dtype, fp16_scaling)
         self.buckets = make_buckets([p for p in model.parameters()], bucket_size_mb)
@@ -103,6 +104,12 @@ class DiLoCo:
     # ---------------------------------------------------------------------------- the training loop's hooks
     def wrap(self, model):
         return self.inner_strategy.wrap(model) if self.inner_strategy else model
+
+    def start(self) -> None:
+        pass
+
+    def finish(self) -> bool:
+        return False  # every worker already holds the last global weights it evaluates
 
     def grad_sync(self, last_micro_step: bool):
         if self._round_start is None:  # first micro-step of a round: the inner compute clock starts

@@ -61,12 +61,19 @@ class LocalTraining:
     """The strategy of a single process (distributed=none): no communication at all."""
 
     name = "none"
+    num_workers = 1
 
     def __init__(self, ctx: DistContext):
         self.ctx = ctx
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
+
+    def start(self) -> None:
+        pass
+
+    def finish(self) -> bool:
+        return False
 
     def grad_sync(self, last_micro_step: bool):
         return nullcontext()
@@ -172,6 +179,7 @@ class DataParallel:
     """
 
     name = "ddp"
+    num_workers = 1  # one worker of world_size ranks: train.batch_size is the global batch
 
     def __init__(self, dcfg, ctx: DistContext, model: torch.nn.Module, group=None):
         check_same_model(ctx, model)  # every rank of the run starts from bit-identical weights
@@ -198,6 +206,12 @@ class DataParallel:
         )
         self.ddp.register_comm_hook(self, _counting_allreduce_hook)
         return self.ddp
+
+    def start(self) -> None:
+        pass
+
+    def finish(self) -> bool:
+        return False
 
     def grad_sync(self, last_micro_step: bool):
         return self.ddp.no_sync() if self.ddp is not None and not last_micro_step else nullcontext()

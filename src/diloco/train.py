@@ -3,21 +3,19 @@
     python -m diloco.train <hydra overrides>                      # one process
     torchrun --nproc_per_node G -m diloco.train distributed=ddp   # the same, several ranks
 
-The loop is an ordinary training loop (gradient accumulation, clip, AdamW, schedule, eval,
-checkpoint). The distributed strategy attaches at two points only: `grad_sync` around each
-micro-step (DDP's no_sync while accumulating) and `after_inner_step` after every optimizer step
-(where DiLoCo communicates once every H steps and DumbDiLoCo uploads/installs).
+`run()` reads top to bottom: set-up, data, model, optimizers and strategy, resume, loop, the end. The
+loop is an ordinary training loop (gradient accumulation, clip, AdamW, schedule, eval, checkpoint);
+the distributed strategy attaches at the named lifecycle points of `diloco.strategy.Strategy`
+(start, grad_sync, after_inner_step, eval_weights, finish, state, summary, close).
+docs/architecture.md draws the data flow.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-import queue
 import signal
 import sys
-import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -33,7 +31,7 @@ from diloco import checkpoint
 from diloco.checkpoint import CheckpointError
 from diloco.comm import CommError
 from diloco.config import ConfigError, validate
-from diloco.data import DataError, SequenceStream, eval_batches, load_tokenizer, noniid_shard_of  # noqa: F401
+from diloco.data import DataError, PrefetchedStream, SequenceStream, eval_batches, load_tokenizer
 from diloco.distributed import (
     DistContext,
     DistributedError,
@@ -114,64 +112,6 @@ class StopFlag:
             signal.signal(sig, handler)
 
 
-class PrefetchedStream:
-    """The training stream with the next micro-batches read and tokenised on a background thread while
-    the model computes (tokenizers and torch release the GIL): data preparation leaves the step's
-    critical path. `state_dict()` is the position after the last batch handed out, so checkpoints and
-    resume stay exact."""
-
-    def __init__(self, stream: SequenceStream, batch_size: int, depth: int = 2):
-        # This thread is the data pipeline's parallelism: a tokenizer thread pool on top would compete
-        # with torch's threads for the cores (an explicit TOKENIZERS_PARALLELISM is respected).
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        self.stream, self.batch_size = stream, batch_size
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._state = stream.state_dict()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def _fill(self) -> None:
-        while not self._stop.is_set():
-            try:
-                item = (self.stream.next_batch(self.batch_size), self.stream.state_dict(), None)
-            except Exception as e:  # raised on the training thread when it asks for this batch
-                item = (None, None, e)
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    pass
-            if item[2] is not None:
-                return
-
-    def next_batch(self, batch_size: int):
-        if batch_size != self.batch_size:
-            raise ValueError(f"prefetching batches of {self.batch_size}, asked for {batch_size}")
-        if self._thread is None:  # started late: a resumed position is loaded first
-            self._thread = threading.Thread(target=self._fill, name="data-prefetch", daemon=True)
-            self._thread.start()
-        batch, state, error = self._queue.get()
-        if error is not None:
-            raise error
-        self._state = state
-        return batch
-
-    def state_dict(self) -> dict:
-        return self._state
-
-    def load_state_dict(self, state: dict) -> None:
-        if self._thread is not None:
-            raise RuntimeError("the data position can only be restored before the first batch")
-        self.stream.load_state_dict(state)
-        self._state = self.stream.state_dict()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-
-
 def setup_logging(run_dir: Path, ctx: DistContext) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     name = "train.log" if ctx.is_main else f"train.rank{ctx.rank}.log"
@@ -194,44 +134,15 @@ def run(cfg: DictConfig) -> int:
     device = ctx.device
     use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    if resolved["distributed"].get("token"):  # a credential: never written to the run's records or W&B
-        resolved["distributed"]["token"] = "<redacted>"
-    if ctx.is_main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
-    per_rank = cfg.train.batch_size // ctx.ranks_per_worker
-    if per_rank * ctx.ranks_per_worker != cfg.train.batch_size or per_rank % cfg.train.micro_batch_size:
-        raise ConfigError(
-            f"train.batch_size={cfg.train.batch_size} does not split into {ctx.ranks_per_worker} ranks "
-            f"x whole micro-batches of train.micro_batch_size={cfg.train.micro_batch_size}"
-        )
-    accum = per_rank // cfg.train.micro_batch_size
+    resolved = record_config(cfg, run_dir, ctx)
+    accum = accumulation_steps(cfg, ctx)
 
     # ----------------------------------------------------------------------------- data
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    if len(tokenizer) > cfg.model.vocab_size:
-        raise ConfigError(
-            f"tokenizer {cfg.data.tokenizer} has {len(tokenizer)} tokens but model.vocab_size={cfg.model.vocab_size}"
-        )
-    shard = cfg.data.shard if cfg.data.shard is not None else ctx.rank
-    num_shards = cfg.data.num_shards if cfg.data.num_shards is not None else ctx.world_size
-    train_stream = PrefetchedStream(
-        SequenceStream(cfg.data, tokenizer, cfg.data.train_split, shard, num_shards),
-        cfg.train.micro_batch_size,
-    )
-    eval_set, shard_eval_sets = [], {}  # held-out data, evaluated on rank 0 only
-    if ctx.is_main:
-        eval_set = eval_batches(cfg.data, tokenizer, cfg.eval.tokens, cfg.eval.micro_batch_size)
-    if ctx.is_main and cfg.data.sharding == "noniid" and num_shards > 1:  # each shard's own distribution
-        for s in range(num_shards):
-            shard_eval_sets[s] = eval_batches(
-                cfg.data, tokenizer, cfg.eval.tokens // num_shards, cfg.eval.micro_batch_size, s, num_shards
-            )
+    train_stream, eval_sets = build_data(cfg, ctx)
 
     # ----------------------------------------------------------------------------- model
     model = build_model(cfg.model, seed=cfg.seed).to(device)
-    counts = count_parameters(model)
-    fingerprint = shape_fingerprint(model)
+    counts, fingerprint = count_parameters(model), shape_fingerprint(model)
     log.info(
         "model %s: %.1fM parameters (%.1fM without embeddings)",
         cfg.model.name,
@@ -239,92 +150,53 @@ def run(cfg: DictConfig) -> int:
         counts["non_embedding"] / 1e6,
     )
 
-    # ----------------------------------------------------------------------------- optimizers
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=cfg.optim.lr,
-        betas=tuple(cfg.optim.betas),
-        weight_decay=cfg.optim.weight_decay,
-        foreach=cfg.optim.foreach,
-        fused=cfg.optim.fused if cfg.optim.fused is not None else (device.type == "cuda" or None),
-    )
-    scheduler = get_cosine_schedule_with_warmup(optimizer, cfg.optim.warmup_steps, cfg.optim.total_steps)
+    # ----------------------------------------------------------------------------- optimizers, strategy
+    optimizer, scheduler = build_optimizer(cfg, model, device)
     strategy = build_strategy(cfg, ctx, model, optimizer)
     train_model = strategy.wrap(model)
     if cfg.compile if cfg.compile is not None else device.type == "cuda":
         train_model = torch.compile(train_model)
-
-    # ----------------------------------------------------------------------------- resume
-    step, start_time_offset, inner_seconds_before = 0, 0.0, 0.0
-    ckpt_dir = None
-    if cfg.resume == "auto":
-        ckpt_dir = checkpoint.latest(run_dir)
-    elif cfg.resume != "never":
-        ckpt_dir = Path(cfg.resume)
-        if not ckpt_dir.exists():
-            raise CheckpointError(f"resume={cfg.resume}: no such checkpoint directory")
-    if ckpt_dir is not None:
-        state = checkpoint.load(ckpt_dir, ctx.rank, fingerprint)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        train_stream.load_state_dict(state["data"])
-        strategy.load_state_dict(state["strategy"])
-        checkpoint.set_rng_state(state["rng"])
-        step, start_time_offset = int(state["step"]), float(state["wall_seconds"])
-        inner_seconds_before = float(state.get("inner_seconds", 0.0))
-        log.info("resumed from %s at step %d", ckpt_dir, step)
-
-    logger = RunLogger(
-        run_dir, resolved, cfg.wandb, enabled=ctx.is_main, resume_step=step if ckpt_dir is not None else None
+    stateful = dict(
+        model=model, optimizer=optimizer, scheduler=scheduler, data=train_stream, strategy=strategy
     )
+
+    # ----------------------------------------------------------------------------- resume, start
+    clock = Clock()
+    step = 0
+    if (ckpt_dir := checkpoint_to_resume(cfg, run_dir)) is not None:
+        state = checkpoint.load(ckpt_dir, ctx.rank, fingerprint)
+        for key, obj in stateful.items():
+            obj.load_state_dict(state[key])
+        checkpoint.set_rng_state(state["rng"])
+        step = int(state["step"])
+        clock.resume(float(state["wall_seconds"]), float(state.get("inner_seconds", 0.0)))
+        log.info("resumed from %s at step %d", ckpt_dir, step)
+    strategy.start()  # after the restore: connect, start background threads
+    logger = RunLogger(
+        run_dir, resolved, cfg.wandb, enabled=ctx.is_main, resume_step=step if ckpt_dir else None
+    )
+    commit = git_commit()
 
     def save_checkpoint():
-        state = {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "data": train_stream.state_dict(),
-            "strategy": strategy.state_dict(),
-            "rng": checkpoint.rng_state(),
-            "step": step,
-            "wall_seconds": wall_seconds(),
-            "inner_seconds": inner_seconds,
-        }
-        meta = {
-            "model": cfg.model.name,
-            "fingerprint": fingerprint,
-            "run_name": cfg.run_name,
-            "world_size": ctx.world_size,
-            "commit": commit,
-        }
+        state = {k: obj.state_dict() for k, obj in stateful.items()} | {"rng": checkpoint.rng_state()}
+        state |= {"step": step, "wall_seconds": clock.wall(), "inner_seconds": clock.inner_seconds}
+        meta = {"model": cfg.model.name, "fingerprint": fingerprint, "run_name": cfg.run_name}
+        meta |= {"world_size": ctx.world_size, "commit": commit}
         checkpoint.save(run_dir, step, ctx.rank, state, meta, ctx.barrier, keep=cfg.train.keep_checkpoints)
 
+    def evaluate_now() -> float:
+        return run_eval(model, strategy, eval_sets, device, autocast, logger, step, ctx)
+
     # ----------------------------------------------------------------------------- loop
-    commit = git_commit()
-    seq_len, micro = cfg.data.seq_len, cfg.train.micro_batch_size
-    tokens_per_step = cfg.train.batch_size * seq_len  # per DiLoCo worker; global for DDP
-    max_steps = cfg.train.max_steps
-    started = time.perf_counter()
-
-    def wall_seconds():
-        return start_time_offset + time.perf_counter() - started
-
+    micro, max_steps = cfg.train.micro_batch_size, cfg.train.max_steps
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len  # per DiLoCo worker; global for DDP
     stop = StopFlag()
     stop.install()
-    bar = tqdm(
-        total=max_steps,
-        initial=step,
-        disable=not (ctx.is_main and cfg.train.progress),
-        dynamic_ncols=True,
-        desc=cfg.run_name,
-    )
-    eval_loss = math.nan
-    last_eval_step = -1
-    inner_seconds = inner_seconds_before  # forward/backward/optimizer time, across resumes
+    show = ctx.is_main and cfg.train.progress
+    bar = tqdm(total=max_steps, initial=step, disable=not show, dynamic_ncols=True, desc=cfg.run_name)
+    eval_loss, last_eval_step = math.nan, -1
     window_start, window_tokens = time.perf_counter(), 0
-    status = "completed"
-    exit_code = 0
+    status, exit_code = "completed", 0
     try:
         while step < max_steps and not stop.requested:
             t0 = time.perf_counter()
@@ -344,7 +216,7 @@ def run(cfg: DictConfig) -> int:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             step_seconds = time.perf_counter() - t0
-            inner_seconds += step_seconds
+            clock.inner_seconds += step_seconds
             window_tokens += tokens_per_step
             outer = strategy.after_inner_step(step)  # DiLoCo: communicate and step the outer optimizer
 
@@ -353,53 +225,40 @@ def run(cfg: DictConfig) -> int:
                 loss_value = step_loss.item() / accum
                 metrics = {
                     "Loss": loss_value,
-                    "Perplexity": math.exp(min(loss_value, 50)),
+                    "Perplexity": _ppl(loss_value),
                     "lr": scheduler.get_last_lr()[0],
-                    "effective_step": step * ctx.num_workers,
-                    "total_samples": step * cfg.train.batch_size * ctx.num_workers,
+                    "effective_step": step * strategy.num_workers,
+                    "total_samples": step * cfg.train.batch_size * strategy.num_workers,
                     "tokens_per_second": window_tokens / max(now - window_start, 1e-9),
                     "time_taken": step_seconds,
                     **outer,
                 }
                 window_start, window_tokens = now, 0
                 logger.log(metrics, step)
-                bar.set_postfix(
-                    loss=f"{loss_value:.3f}",
-                    ppl=f"{metrics['Perplexity']:.1f}",
-                    tok_s=f"{metrics['tokens_per_second']:.0f}",
-                    refresh=False,
-                )
+                bar.set_postfix(loss=f"{loss_value:.3f}", ppl=f"{_ppl(loss_value):.1f}", refresh=False)
             bar.update(1)
 
             if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == max_steps:
-                eval_loss = run_eval(
-                    cfg, model, strategy, eval_set, shard_eval_sets, device, autocast, logger, step, ctx
-                )
-                last_eval_step = step
+                eval_loss, last_eval_step = evaluate_now(), step
             periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
             if periodic and step < max_steps:  # the last one is written after the final evaluation
                 save_checkpoint()
+
+        # ------------------------------------------------------------------------- the end
         if stop.requested:
             status, exit_code = "interrupted", 130
             try:
                 save_checkpoint()
                 log.warning("stopped at step %d; resume with the same command", step)
             except Exception as e:  # e.g. a peer already gone: the last periodic checkpoint stands
+                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
                 log.warning(
-                    "stopped at step %d without a new checkpoint (%s); the last complete one is intact",
-                    step,
-                    str(e).splitlines()[0] if str(e) else type(e).__name__,
+                    "stopped at step %d without a new checkpoint (%s); the last one is intact", step, reason
                 )
         else:
-            if (finish := getattr(strategy, "finish", None)) is not None and finish():
-                # DumbDiLoCo master: the last deltas are in; evaluate the final global model
-                eval_loss = run_eval(
-                    cfg, model, strategy, eval_set, shard_eval_sets, device, autocast, logger, step, ctx
-                )
-            elif last_eval_step != step:
-                eval_loss = run_eval(
-                    cfg, model, strategy, eval_set, shard_eval_sets, device, autocast, logger, step, ctx
-                )
+            # finish(): e.g. the DumbDiLoCo master takes the workers' last deltas and installs the final global
+            if strategy.finish() or last_eval_step != step:
+                eval_loss = evaluate_now()
             ends_on_period = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
             if step == max_steps and (cfg.train.checkpoint_at_end or ends_on_period):
                 save_checkpoint()  # the model that was evaluated, and the strategy's final state
@@ -413,52 +272,143 @@ def run(cfg: DictConfig) -> int:
         train_stream.close()
         stop.restore()
         bar.close()
-        wall = wall_seconds()
-        summary = {
-            "run_name": cfg.run_name,
-            "status": status,
-            "step": step,
-            "config_choices": _config_choices(),
-            "final_eval_loss": eval_loss,
-            "final_eval_perplexity": math.exp(min(eval_loss, 50)) if not math.isnan(eval_loss) else None,
-            "tokens_seen": step * tokens_per_step * ctx.num_workers,
-            "wall_seconds": wall,
-            "compute_utilization": inner_seconds / max(wall, 1e-9),
-            "parameters": counts,
-            "world_size": ctx.world_size,
-            "num_workers": ctx.num_workers,
-            "seed": cfg.seed,
-            "git_commit": commit,
-            "device": str(device),
-            **strategy.summary(),
-            "config": resolved,
-        }
-        logger.write_summary(summary)
+        wall = clock.wall()
+        ran = dict(status=status, step=step, eval_loss=eval_loss, wall=wall, inner=clock.inner_seconds)
+        logger.write_summary(run_summary(cfg, ctx, strategy, ran, counts, commit, resolved))
         logger.close(exit_code)
         strategy.close()
     if ctx.is_main and status == "completed":
         log.info(
-            "final eval loss %.4f, perplexity %.2f (step %d, %.0f s)",
-            eval_loss,
-            math.exp(min(eval_loss, 50)),
-            step,
-            wall,
+            "final eval loss %.4f, perplexity %.2f (step %d, %.0f s)", eval_loss, _ppl(eval_loss), step, wall
         )
-        print(f"final eval perplexity: {math.exp(min(eval_loss, 50)):.2f}")
+        print(f"final eval perplexity: {_ppl(eval_loss):.2f}")
     shutdown_distributed(ctx, clean=exit_code == 0)
     return exit_code
 
 
-def run_eval(cfg, model, strategy, eval_set, shard_eval_sets, device, autocast, logger, step, ctx) -> float:
+# ----------------------------------------------------------------------------- run()'s helpers
+def run_summary(cfg, ctx, strategy, ran: dict, counts: dict, commit: str | None, resolved: dict) -> dict:
+    """summary.json: how the run ended, what it cost, and the whole (redacted) config."""
+    loss, wall, step = ran["eval_loss"], ran["wall"], ran["step"]
+    return {
+        "run_name": cfg.run_name,
+        "status": ran["status"],
+        "step": step,
+        "config_choices": _config_choices(),
+        "final_eval_loss": loss,
+        "final_eval_perplexity": None if math.isnan(loss) else _ppl(loss),
+        "tokens_seen": step * cfg.train.batch_size * cfg.data.seq_len * strategy.num_workers,
+        "wall_seconds": wall,
+        "compute_utilization": ran["inner"] / max(wall, 1e-9),
+        "parameters": counts,
+        "world_size": ctx.world_size,
+        "num_workers": strategy.num_workers,
+        "seed": cfg.seed,
+        "git_commit": commit,
+        "device": str(ctx.device),
+        **strategy.summary(),
+        "config": resolved,
+    }
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(loss, 50))
+
+
+class Clock:
+    """Wall-clock and inner-compute seconds of the run, carried across resumes."""
+
+    def __init__(self):
+        self.offset, self.inner_seconds, self.started = 0.0, 0.0, time.perf_counter()
+
+    def resume(self, wall_seconds: float, inner_seconds: float) -> None:
+        self.offset, self.inner_seconds = wall_seconds, inner_seconds
+
+    def wall(self) -> float:
+        return self.offset + time.perf_counter() - self.started
+
+
+def record_config(cfg, run_dir: Path, ctx: DistContext) -> dict:
+    """The resolved config, token redacted (a credential is never written to records or W&B)."""
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    if resolved["distributed"].get("token"):
+        resolved["distributed"]["token"] = "<redacted>"
+    if ctx.is_main:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    return resolved
+
+
+def build_optimizer(cfg, model, device: torch.device):
+    """The inner optimizer (AdamW, fused on CUDA by default) and its warmup + cosine schedule."""
+    fused = cfg.optim.fused if cfg.optim.fused is not None else (device.type == "cuda" or None)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        weight_decay=cfg.optim.weight_decay,
+        foreach=cfg.optim.foreach,
+        fused=fused,
+    )
+    return optimizer, get_cosine_schedule_with_warmup(
+        optimizer, cfg.optim.warmup_steps, cfg.optim.total_steps
+    )
+
+
+def accumulation_steps(cfg, ctx: DistContext) -> int:
+    """Micro-batches per optimizer step on this rank (train.batch_size is per worker of G ranks)."""
+    per_rank = cfg.train.batch_size // ctx.ranks_per_worker
+    if per_rank * ctx.ranks_per_worker != cfg.train.batch_size or per_rank % cfg.train.micro_batch_size:
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} does not split into {ctx.ranks_per_worker} ranks "
+            f"x whole micro-batches of train.micro_batch_size={cfg.train.micro_batch_size}"
+        )
+    return per_rank // cfg.train.micro_batch_size
+
+
+def build_data(cfg, ctx: DistContext) -> tuple[PrefetchedStream, dict]:
+    """This rank's training stream (its shard, prefetched) and rank 0's fixed held-out batches: "all",
+    and with non-IID shards each shard's own distribution."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if len(tokenizer) > cfg.model.vocab_size:
+        raise ConfigError(
+            f"tokenizer {cfg.data.tokenizer} has {len(tokenizer)} tokens but model.vocab_size={cfg.model.vocab_size}"
+        )
+    shard = cfg.data.shard if cfg.data.shard is not None else ctx.rank
+    num_shards = cfg.data.num_shards if cfg.data.num_shards is not None else ctx.world_size
+    stream = SequenceStream(cfg.data, tokenizer, cfg.data.train_split, shard, num_shards)
+    train_stream = PrefetchedStream(stream, cfg.train.micro_batch_size)
+    if not ctx.is_main:
+        return train_stream, {}
+    sets = {"all": eval_batches(cfg.data, tokenizer, cfg.eval.tokens, cfg.eval.micro_batch_size)}
+    if cfg.data.sharding == "noniid" and num_shards > 1:
+        for s in range(num_shards):
+            sets[s] = eval_batches(
+                cfg.data, tokenizer, cfg.eval.tokens // num_shards, cfg.eval.micro_batch_size, s, num_shards
+            )
+    return train_stream, sets
+
+
+def checkpoint_to_resume(cfg, run_dir: Path) -> Path | None:
+    if cfg.resume == "auto":
+        return checkpoint.latest(run_dir)
+    if cfg.resume == "never":
+        return None
+    if not Path(cfg.resume).exists():
+        raise CheckpointError(f"resume={cfg.resume}: no such checkpoint directory")
+    return Path(cfg.resume)
+
+
+def run_eval(model, strategy, eval_sets, device, autocast, logger, step, ctx) -> float:
     """Rank 0 evaluates the model the strategy says was averaged (DDP: the live weights; DiLoCo: the
     global weights); the others go on and wait at their next collective."""
     if not ctx.is_main:
         return math.nan
     with strategy.eval_weights(step):  # DiLoCo mid-round: the last averaged weights, not rank 0's own
-        loss = evaluate(model, eval_set, device, autocast)
-        metrics = {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50))}
-        for s, batches in shard_eval_sets.items():
-            metrics[f"eval/shard{s}/loss"] = evaluate(model, batches, device, autocast)
+        loss = evaluate(model, eval_sets["all"], device, autocast)
+        metrics = {"eval/loss": loss, "eval/perplexity": _ppl(loss)}
+        for s, batches in eval_sets.items():
+            if s != "all":
+                metrics[f"eval/shard{s}/loss"] = evaluate(model, batches, device, autocast)
     logger.log(metrics, step)
     log.info("step %d: eval loss %.4f, perplexity %.2f", step, loss, metrics["eval/perplexity"])
     return loss

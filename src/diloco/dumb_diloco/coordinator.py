@@ -1026,10 +1026,6 @@ class DumbDiLoCo:
                 "node %s: data.shard/data.num_shards are not set, so this node reads the same data as every other "
                 "node left at the default; give node i of n `data.shard=i data.num_shards=n`", settings.node_id,
             )  # fmt: skip
-        if cfg.data.get(
-            "num_shards"
-        ):  # the run's node count, for effective_step / total_samples / tokens_seen
-            ctx.num_workers = int(cfg.data.num_shards)
         hf_config = json.loads(model.config.to_json_string()) if hasattr(model, "config") else None
         coordinator = Coordinator(
             model,
@@ -1039,17 +1035,19 @@ class DumbDiLoCo:
             hf_config=hf_config,
         )
         coordinator.connect()  # a worker fails here, before training, if there is no master
-        return cls(coordinator, optimizer)
+        # the run's node count, for effective_step / total_samples / tokens_seen
+        return cls(coordinator, optimizer, num_workers=int(cfg.data.get("num_shards") or 1))
 
-    def __init__(self, coordinator: Coordinator, optimizer: torch.optim.Optimizer):
-        self.coordinator, self.optimizer = coordinator, optimizer
+    def __init__(self, coordinator: Coordinator, optimizer: torch.optim.Optimizer, num_workers: int = 1):
+        self.coordinator, self.optimizer, self.num_workers = coordinator, optimizer, num_workers
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
+    def start(self) -> None:
+        self.coordinator.start()  # after any checkpoint restore, before the first forward
+
     def grad_sync(self, last_micro_step: bool):
-        if not self.coordinator.started:  # after any checkpoint restore, before the first forward
-            self.coordinator.start()
         return nullcontext()
 
     def after_inner_step(self, step: int) -> dict[str, float]:
