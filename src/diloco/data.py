@@ -316,7 +316,9 @@ class PrefetchedStream:
     """The training stream with the next micro-batches read and tokenised on a background thread while
     the model computes (tokenizers and torch release the GIL): data preparation leaves the step's
     critical path. `state_dict()` is the position after the last batch handed out, so checkpoints and
-    resume stay exact."""
+    resume stay exact. Hand-written rather than torchdata's StatefulDataLoader: one thread keeps the
+    exact position without worker processes or a new dependency, and the trainer already runs at the
+    plain loop's speed (results/bench/trainer.json)."""
 
     def __init__(self, stream: SequenceStream, batch_size: int, depth: int = 2):
         # This thread is the data pipeline's parallelism: a tokenizer thread pool on top would compete
