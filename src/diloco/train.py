@@ -331,8 +331,10 @@ class Clock:
 def record_config(cfg, run_dir: Path, ctx: DistContext) -> dict:
     """The resolved config, token redacted (a credential is never written to records or W&B)."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    if resolved["distributed"].get("token"):
+    if token := resolved["distributed"].get("token"):
         resolved["distributed"]["token"] = "<redacted>"
+        # W&B records the program's arguments (sys.argv) in its run files: the token leaves them too
+        sys.argv[:] = [a.replace(token, "<redacted>") for a in sys.argv]
     if ctx.is_main:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     return resolved
