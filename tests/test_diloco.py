@@ -209,7 +209,7 @@ def test_diloco_run_logs_outer_metrics_and_summary(tmp_path):
     ("override", "message"),
     [
         ("distributed.inner_steps=0", "inner_steps"),
-        ("distributed.pseudo_grad_dtype=int8", "pseudo_grad_dtype"),
+        ("distributed.pseudo_grad_dtype=int2", "pseudo_grad_dtype"),
         ("distributed.global_copy_device=gpu7", "global_copy_device"),
         ("distributed.outer_momentum=1.0", "outer_momentum"),
         ("distributed.timeout_seconds=0", "timeout_seconds"),

@@ -50,7 +50,7 @@ def test_delayed_nesterov_follows_the_formula():
 
 
 def test_state_round_trip_resumes_exactly():
-    a, b = _tensors(2), _tensors(2)
+    a = _tensors(2)
     opt_a = OuterOptimizer(a, lr=0.7, momentum=0.9, delay_period=2)
     for t in range(3):
         opt_a.step(_tensors(300 + t))

@@ -304,8 +304,9 @@ class Averager:
         c.underflow, c.overflow = c.underflow + int(vals[2]), c.overflow + int(vals[3])
         c.numel += flat.numel()
 
-    def average_(self, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """flat (FP32 [n], tensors of `sizes` elements end to end) <- its mean over all members."""
+    def average_(self, flat: torch.Tensor, sizes: list[int], key: int = 0) -> torch.Tensor:
+        """flat (FP32 [n], tensors of `sizes` elements end to end) <- its mean over all members.
+        `key` names the bucket (quant.QuantizedAverager keeps a residual per bucket; nothing here)."""
         if self.wire == torch.float32:  # nothing to encode: reduce in place
             self.coll.all_reduce_(flat, op="sum", tag="pseudo_grad_float32")
             return flat.div_(self.coll.size)
@@ -313,6 +314,12 @@ class Averager:
         self.coll.all_reduce_(wire, op="sum", tag=f"pseudo_grad_{self.dtype}")
         self.decode_(flat, wire, sizes, scales)
         return flat.div_(self.coll.size)
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        pass
 
 
 def mean_pairwise_cosine(gram: torch.Tensor) -> float:

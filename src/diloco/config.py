@@ -19,7 +19,8 @@ from omegaconf.errors import OmegaConfBaseException
 from diloco import schema
 from diloco.assets import register_resolvers  # noqa: F401  (configs use ${diloco_asset:...})
 
-WIRE_DTYPES = ("float32", "float16", "bfloat16")  # DiLoCo's all-reduce dtypes (diloco.comm implements them)
+# DiLoCo's pseudo-gradient wire dtypes (diloco.comm: the floats, all-reduced; diloco.quant: int8/int4, all-gathered)
+WIRE_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4")
 GLOBAL_COPY_DEVICES = ("cpu", "device")
 DUMB_DILOCO_ROLES = ("master", "worker", "single")
 
@@ -102,6 +103,11 @@ def check_distributed(block: Any) -> Any:
         _number(d, "outer_lr", p, 0)
         _number(d, "outer_momentum", p, 0, strict=False, hi=1)
         _one_of(d, "pseudo_grad_dtype", p, WIRE_DTYPES)
+        if d.error_feedback and d.pseudo_grad_dtype not in ("int8", "int4"):
+            raise ConfigError(f"{p}error_feedback applies to pseudo_grad_dtype int8 or int4 only")
+        _number(d, "quant_block_size", p, 2, strict=False, integer=True)
+        if d.quant_block_size % 2:
+            raise ConfigError(f"{p}quant_block_size must be even (4-bit codes are packed in pairs)")
         _one_of(d, "global_copy_device", p, GLOBAL_COPY_DEVICES)
         _number(d, "bucket_size_mb", p, 0)
         _number(d, "cosine_sample_size", p, 0, strict=False, integer=True)

@@ -12,7 +12,8 @@
 
 The trainer calls `after_inner_step(step)` after every AdamW step; every H steps it runs `outer_step`.
 The global copy theta_{t-1} and the outer momentum live in float32 on `global_copy_device`. The
-averaging goes through `diloco.comm.Averager` (pseudo_grad_dtype float32/float16/bfloat16). A worker
+averaging goes through `diloco.comm.Averager` (pseudo_grad_dtype float32/float16/bfloat16, all-reduced) or
+`diloco.quant.QuantizedAverager` (int8/int4 codes with error feedback, all-gathered). A worker
 of G > 1 ranks trains with DDP inside; its ranks split the buckets, each all-reduces its share with
 its counterparts in the other workers and broadcasts the mean to its worker, so a worker sends every
 byte of the pseudo-gradient once. OpenDiLoCo keeps the AdamW state across rounds; the DumbDiLoCo
@@ -27,7 +28,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from diloco import comm
+from diloco import comm, quant
 from diloco.checkpoint import CheckpointError
 from diloco.config import check_distributed
 from diloco.outer import OuterOptimizer
@@ -56,26 +57,44 @@ class DiLoCo:
         # DDP inside the worker; also checks that every rank holds the same shapes and initial weights
         inner = DataParallel(dcfg, ctx, model, group=ctx.worker_group)
         timeout = dcfg.timeout_seconds
-        return cls(
-            model, optimizer, comm.group_collective(ctx.cross_group, timeout),
-            intra=comm.group_collective(ctx.worker_group, timeout), inner_strategy=inner,
-            **{k: dcfg[k] for k in ("inner_steps", "outer_lr", "outer_momentum", "nesterov", "pseudo_grad_dtype",
-                                    "fp16_scaling", "global_copy_device", "reset_inner_optimizer",
-                                    "bucket_size_mb", "cosine_sample_size", "cosine_sample_seed")},
-        )  # fmt: skip
+        keys = ("inner_steps", "outer_lr", "outer_momentum", "nesterov", "pseudo_grad_dtype", "fp16_scaling",
+                "error_feedback", "quant_block_size", "global_copy_device", "reset_inner_optimizer",
+                "bucket_size_mb", "cosine_sample_size", "cosine_sample_seed")  # fmt: skip
+        cross, intra = (comm.group_collective(g, timeout) for g in (ctx.cross_group, ctx.worker_group))
+        return cls(model, optimizer, cross, intra=intra, inner_strategy=inner, **{k: dcfg[k] for k in keys})
 
     def __init__(
-        self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, cross: comm.Collective, *,
-        inner_steps: int, outer_lr: float, outer_momentum: float, nesterov: bool, pseudo_grad_dtype: str,
-        fp16_scaling: bool, global_copy_device: str, reset_inner_optimizer: bool, bucket_size_mb: float,
-        cosine_sample_size: int, cosine_sample_seed: int, intra: comm.Collective | None = None, inner_strategy=None,
-    ):  # fmt: skip
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        cross: comm.Collective,
+        *,
+        inner_steps: int,
+        outer_lr: float,
+        outer_momentum: float,
+        nesterov: bool,
+        pseudo_grad_dtype: str,
+        fp16_scaling: bool,
+        global_copy_device: str,
+        reset_inner_optimizer: bool,
+        bucket_size_mb: float,
+        cosine_sample_size: int,
+        cosine_sample_seed: int,
+        error_feedback: bool | None = None,
+        quant_block_size: int = 256,
+        intra: comm.Collective | None = None,
+        inner_strategy=None,
+    ):
         self.inner_optimizer, self.inner_steps = inner_optimizer, inner_steps
         self.reset_inner_optimizer = reset_inner_optimizer
         self.cross, self.intra = cross, intra or comm.SoloCollective()
         self.num_workers = cross.size
         self.inner_strategy = inner_strategy
-        self.averager = comm.Averager(cross, pseudo_grad_dtype, fp16_scaling)
+        if pseudo_grad_dtype in quant.QUANT_BITS:  # int8/int4 codes, all-gathered, with error feedback
+            ef = error_feedback is None or error_feedback
+            self.averager = quant.QuantizedAverager(cross, pseudo_grad_dtype, quant_block_size, ef)
+        else:
+            self.averager = comm.Averager(cross, pseudo_grad_dtype, fp16_scaling)
         self.buckets = make_buckets([p for p in model.parameters()], bucket_size_mb)
         self.sizes = [[p.numel() for p in b] for b in self.buckets]
         self.device = next(model.parameters()).device
@@ -171,7 +190,7 @@ class DiLoCo:
                 torch._foreach_copy_(_views(pseudo_grad, params), params)  # theta_i
                 torch.sub(theta.to(self.device), pseudo_grad, out=pseudo_grad)  # theta_{t-1} - theta_i
                 self.meter.observe(b, pseudo_grad)
-                self.averager.average_(pseudo_grad, sizes)  # 1/W sum_i, in pseudo_grad_dtype on the wire
+                self.averager.average_(pseudo_grad, sizes, key=b)  # 1/W sum_i, pseudo_grad_dtype on the wire
             self.intra.broadcast_(pseudo_grad, src=owner, tag="intra_worker")
             mean_sq.append(torch.linalg.vector_norm(pseudo_grad).double().square())  # one pass, no copy
             grads.append(pseudo_grad.to(theta.device))
@@ -225,6 +244,7 @@ class DiLoCo:
             "metric_bytes": self.metric_bytes,
             "seconds": [self.comm_seconds, self.outer_seconds, self.inner_seconds],
             "intra_ddp_bytes": self._ddp_bytes(),
+            "averager": self.averager.state_dict(),  # int8/int4: the error-feedback residuals
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -235,6 +255,7 @@ class DiLoCo:
             )
         torch._foreach_copy_(self.global_params, state["global_params"])
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.averager.load_state_dict(state.get("averager", {}), self.device)
         self.outer_round, self.total_bytes = int(state["outer_round"]), int(state["total_bytes"])
         self.metric_bytes = int(state["metric_bytes"])
         self.comm_seconds, self.outer_seconds, self.inner_seconds = (float(s) for s in state["seconds"])

@@ -143,7 +143,11 @@ class DiLoCoConfig:
     outer_lr: float = 0.7  # outer SGD learning rate (DiLoCo's robust choice)
     outer_momentum: float = 0.9  # outer Nesterov momentum, in [0, 1)
     nesterov: bool = True  # Nesterov momentum in the outer SGD (ignored when outer_momentum is 0)
-    pseudo_grad_dtype: str = "float32"  # wire dtype of the all-reduce: float32 | float16 | bfloat16
+    pseudo_grad_dtype: str = (
+        "float32"  # on the wire: float32 | float16 | bfloat16 | int8 | int4 (diloco.quant)
+    )
+    error_feedback: Optional[bool] = None  # int8/int4: carry what quantization lost into the next round
+    quant_block_size: int = 256  # int8/int4: elements per bfloat16 scale
     fp16_scaling: bool = (
         True  # float16: per-tensor power-of-two scale agreed by all workers; false = plain cast
     )
