@@ -108,6 +108,9 @@ def check_distributed(block: Any) -> Any:
         _number(d, "quant_block_size", p, 2, strict=False, integer=True)
         if d.quant_block_size % 2:
             raise ConfigError(f"{p}quant_block_size must be even (4-bit codes are packed in pairs)")
+        _number(d, "fragments", p, 1, strict=False, integer=True, hi=d.inner_steps + 1)
+        _number(d, "overlap_steps", p, 0, strict=False, integer=True, hi=d.inner_steps)
+        _number(d, "fragment_alpha", p, 0, strict=False, hi=1)
         _one_of(d, "global_copy_device", p, GLOBAL_COPY_DEVICES)
         _number(d, "bucket_size_mb", p, 0)
         _number(d, "cosine_sample_size", p, 0, strict=False, integer=True)

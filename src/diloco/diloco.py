@@ -18,6 +18,13 @@ of G > 1 ranks trains with DDP inside; its ranks split the buckets, each all-red
 its counterparts in the other workers and broadcasts the mean to its worker, so a worker sends every
 byte of the pseudo-gradient once. OpenDiLoCo keeps the AdamW state across rounds; the DumbDiLoCo
 spec resets it (`reset_inner_optimizer`).
+
+Streaming DiLoCo (Douillard et al., arXiv 2501.18512, Sec. 2): with `fragments` P > 1 the parameters are
+cut into P consecutive fragments and fragment f is synchronised every H steps at offset (f+1)H/P, so one
+sync sends 1/P of the model; with `overlap_steps` tau > 0 its outer step is applied tau inner steps after
+its pseudo-gradient was taken, merged as local <- alpha local + (1 - alpha) global (`fragment_alpha`).
+P=1, tau=0, alpha=0 is the algorithm above, bit for bit. Here the averaging still runs at the sync step;
+a transfer thread that hides it behind the tau steps is not built yet.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -46,6 +54,34 @@ def make_buckets(params: list[torch.Tensor], bucket_size_mb: float) -> list[list
     return buckets
 
 
+def fragment_buckets(
+    params: list[torch.Tensor], fragments: int, bucket_size_mb: float
+) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
+    """Streaming DiLoCo's fragments: P consecutive runs of parameters of about equal size, each cut into
+    buckets; returns the buckets and, per fragment, its bucket indices. P=1: make_buckets(params)."""
+    total, seen = sum(p.numel() for p in params), 0
+    groups: list[list[torch.Tensor]] = [[] for _ in range(fragments)]
+    for p in params:
+        groups[min(fragments - 1, seen * fragments // total)].append(p)
+        seen += p.numel()
+    if not all(groups):
+        raise ValueError(f"fragments={fragments} is more than this model's {len(params)} parameter tensors")
+    buckets, ids = [], []
+    for g in groups:
+        ids.append(list(range(len(buckets), len(buckets) + len(part := make_buckets(g, bucket_size_mb)))))
+        buckets += part
+    return buckets, ids
+
+
+@dataclass
+class _InFlight:
+    """A fragment's averaged pseudo-gradients, applied `overlap_steps` after they were sent."""
+
+    apply_at: int  # the inner step after which they are applied
+    fragment: int
+    grads: dict[int, torch.Tensor]  # bucket index -> mean pseudo-gradient [n], float32
+
+
 class DiLoCo:
     name = "diloco"
 
@@ -58,7 +94,8 @@ class DiLoCo:
         inner = DataParallel(dcfg, ctx, model, group=ctx.worker_group)
         timeout = dcfg.timeout_seconds
         keys = ("inner_steps", "outer_lr", "outer_momentum", "nesterov", "pseudo_grad_dtype", "fp16_scaling",
-                "error_feedback", "quant_block_size", "global_copy_device", "reset_inner_optimizer",
+                "error_feedback", "quant_block_size", "fragments", "overlap_steps", "fragment_alpha",
+                "global_copy_device", "reset_inner_optimizer",
                 "bucket_size_mb", "cosine_sample_size", "cosine_sample_seed")  # fmt: skip
         cross, intra = (comm.group_collective(g, timeout) for g in (ctx.cross_group, ctx.worker_group))
         return cls(model, optimizer, cross, intra=intra, inner_strategy=inner, **{k: dcfg[k] for k in keys})
@@ -82,6 +119,9 @@ class DiLoCo:
         cosine_sample_seed: int,
         error_feedback: bool | None = None,
         quant_block_size: int = 256,
+        fragments: int = 1,
+        overlap_steps: int = 0,
+        fragment_alpha: float = 0.0,
         intra: comm.Collective | None = None,
         inner_strategy=None,
     ):
@@ -95,7 +135,11 @@ class DiLoCo:
             self.averager = quant.QuantizedAverager(cross, pseudo_grad_dtype, quant_block_size, ef)
         else:
             self.averager = comm.Averager(cross, pseudo_grad_dtype, fp16_scaling)
-        self.buckets = make_buckets([p for p in model.parameters()], bucket_size_mb)
+        self.buckets, self.fragments = fragment_buckets(list(model.parameters()), fragments, bucket_size_mb)
+        # fragment f is synchronised at inner steps (f + 1) * H / P modulo H (P=1: every H steps)
+        self._schedule = {(f + 1) * inner_steps // fragments % inner_steps: f for f in range(fragments)}
+        self.overlap_steps, self.fragment_alpha = overlap_steps, fragment_alpha
+        self._in_flight: list[_InFlight] = []
         self.sizes = [[p.numel() for p in b] for b in self.buckets]
         self.device = next(model.parameters()).device
         home = torch.device("cpu") if global_copy_device == "cpu" else self.device
@@ -116,7 +160,7 @@ class DiLoCo:
             [sum(s) for s in self.sizes], cosine_sample_size, cosine_sample_seed, self.device
         )
         self.meter = comm.RoundMeter(self.averager, self.intra, positions)
-        self.outer_round, self.total_bytes, self.metric_bytes = 0, 0, 0
+        self.outer_round, self.total_bytes, self.metric_bytes, self.peak_bytes = 0, 0, 0, 0
         self.comm_seconds, self.outer_seconds, self.inner_seconds = 0.0, 0.0, 0.0
         self._round_start: float | None = None
 
@@ -136,11 +180,15 @@ class DiLoCo:
         return self.inner_strategy.grad_sync(last_micro_step) if self.inner_strategy else nullcontext()
 
     def after_inner_step(self, step: int) -> dict[str, float]:
-        if step % self.inner_steps:
+        for job in [j for j in self._in_flight if j.apply_at == step]:  # sent overlap_steps ago
+            self._in_flight.remove(job)
+            self._apply(job.fragment, job.grads)
+        fragment = self._schedule.get(step % self.inner_steps)
+        if fragment is None:
             return {}
         start = time.perf_counter()
         inner = start - (self._round_start or start)
-        metrics = self.outer_step()
+        metrics = self.outer_step(fragment, step)
         wall = time.perf_counter() - start
         self.inner_seconds += inner
         self.outer_seconds += wall - metrics["comm/seconds"]
@@ -156,8 +204,10 @@ class DiLoCo:
     def eval_weights(self, step: int):
         """Inside: the model holds the last averaged (global) weights, the ones an evaluation must see.
         Mid-round (a run ending, or interrupted, between two outer steps) the live weights are one
-        worker's local ones: they are set aside on the CPU and put back afterwards."""
-        if step % self.inner_steps == 0:
+        worker's local ones: they are set aside on the CPU and put back afterwards (always with
+        fragments, overlap or mixing: the live weights are then never exactly the global ones)."""
+        plain = len(self.fragments) == 1 and self.overlap_steps == 0 and self.fragment_alpha == 0
+        if plain and step % self.inner_steps == 0:
             yield
             return
         with torch.no_grad():
@@ -174,12 +224,14 @@ class DiLoCo:
 
     # ---------------------------------------------------------------------------- the outer step
     @torch.no_grad()
-    def outer_step(self) -> dict[str, float]:
-        """Average the pseudo-gradients, step the outer optimizer, restart from the new global weights."""
+    def outer_step(self, fragment: int = 0, step: int = 0) -> dict[str, float]:
+        """Average the fragment's pseudo-gradients; step the outer optimizer and restart from the new
+        global weights now, or `overlap_steps` inner steps later (Streaming DiLoCo's overlap)."""
         self.outer_round += 1
         self.meter.begin()
-        mean_sq, grads = [], []
-        for b, (params, sizes, theta) in enumerate(zip(self.buckets, self.sizes, self.global_params)):
+        mean_sq, grads = [], {}
+        for b in self.fragments[fragment]:
+            params, sizes, theta = self.buckets[b], self.sizes[b], self.global_params[b]
             owner = b % self.intra.size  # the rank of this worker that all-reduces bucket b
             pseudo_grad = (  # [n] float32
                 self._pseudo_grads[b]
@@ -193,24 +245,39 @@ class DiLoCo:
                 self.averager.average_(pseudo_grad, sizes, key=b)  # 1/W sum_i, pseudo_grad_dtype on the wire
             self.intra.broadcast_(pseudo_grad, src=owner, tag="intra_worker")
             mean_sq.append(torch.linalg.vector_norm(pseudo_grad).double().square())  # one pass, no copy
-            grads.append(pseudo_grad.to(theta.device))
+            grads[b] = pseudo_grad.to(theta.device)
         norm = math.sqrt(torch.stack(mean_sq).sum().item())
         if not math.isfinite(norm):  # the same on every rank: all fail together, nothing is applied
             raise FloatingPointError(
                 f"outer step {self.outer_round}: the averaged pseudo-gradient is not finite (training "
                 f"diverged, or the {self.averager.dtype} sum overflowed: try fp16_scaling=true or float32)"
             )
-        self.outer_optimizer.step(grads)  # theta_t
-        for params, theta in zip(self.buckets, self.global_params):  # every rank restarts from theta_t
-            torch._foreach_copy_(params, _views(theta.to(self.device), params))
-        if self.reset_inner_optimizer:
-            self.inner_optimizer.state.clear()
-        return self._round_metrics(norm)
+        if self.overlap_steps:
+            self._in_flight.append(_InFlight(step + self.overlap_steps, fragment, grads))
+        else:
+            self._apply(fragment, grads)
+        return {**self._round_metrics(norm), "outer/fragment": fragment}
+
+    @torch.no_grad()
+    def _apply(self, fragment: int, grads: dict[int, torch.Tensor]) -> None:
+        """theta_t <- outer step on the fragment's mean pseudo-gradient; every rank restarts from it
+        (fragment_alpha > 0: local <- alpha * local + (1 - alpha) * theta_t)."""
+        self.outer_optimizer.step([grads.get(b) for b in range(len(self.buckets))])
+        for b in self.fragments[fragment]:
+            params, theta = self.buckets[b], _views(self.global_params[b].to(self.device), self.buckets[b])
+            if self.fragment_alpha:
+                torch._foreach_lerp_(params, theta, 1.0 - self.fragment_alpha)
+            else:
+                torch._foreach_copy_(params, theta)
+            if self.reset_inner_optimizer:
+                for p in params:
+                    self.inner_optimizer.state.pop(p, None)
 
     def _round_metrics(self, norm: float) -> dict[str, float]:
         m = self.meter.finish(self.device)
         sent = m["payload"] + m["scales"]  # what this worker sent to the others (per worker, all ranks)
         self.total_bytes += sent
+        self.peak_bytes = max(self.peak_bytes, sent)
         self.metric_bytes += m["metric"]
         self.comm_seconds += m["seconds"]
         out = {
@@ -223,7 +290,7 @@ class DiLoCo:
             f"comm/bytes_{self.averager.dtype}": m["payload"],
             "comm/scale_bytes": m["scales"],
             "comm/metric_bytes": m["metric"],
-            "comm/bytes_per_inner_step": sent / self.inner_steps,
+            "comm/bytes_per_inner_step": sent * len(self.fragments) / self.inner_steps,
             "comm/intra_worker_total_bytes": self._intra_bytes(),
             "comm/seconds": m["seconds"],
             "comm/total_bytes": self.total_bytes,
@@ -245,6 +312,10 @@ class DiLoCo:
             "seconds": [self.comm_seconds, self.outer_seconds, self.inner_seconds],
             "intra_ddp_bytes": self._ddp_bytes(),
             "averager": self.averager.state_dict(),  # int8/int4: the error-feedback residuals
+            "peak_bytes": self.peak_bytes,
+            "in_flight": [
+                [j.apply_at, j.fragment, {b: g.cpu() for b, g in j.grads.items()}] for j in self._in_flight
+            ],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -256,6 +327,12 @@ class DiLoCo:
         torch._foreach_copy_(self.global_params, state["global_params"])
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.averager.load_state_dict(state.get("averager", {}), self.device)
+        self.peak_bytes = int(state.get("peak_bytes", 0))
+        home = self.global_params[0].device
+        self._in_flight = [
+            _InFlight(int(at), int(f), {int(b): g.to(home, copy=True) for b, g in grads.items()})
+            for at, f, grads in state.get("in_flight", [])
+        ]
         self.outer_round, self.total_bytes = int(state["outer_round"]), int(state["total_bytes"])
         self.metric_bytes = int(state["metric_bytes"])
         self.comm_seconds, self.outer_seconds, self.inner_seconds = (float(s) for s in state["seconds"])
@@ -269,6 +346,7 @@ class DiLoCo:
             "comm/metric_bytes": self.metric_bytes,
             "comm/seconds": self.comm_seconds,
             "comm/intra_worker_total_bytes": self._intra_bytes(),
+            "comm/peak_bytes_per_sync": self.peak_bytes,
             "outer/rounds": self.outer_round,
             "outer/seconds": self.outer_seconds,
             "outer/compute_utilization": self.inner_seconds / wall if wall > 0 else None,

@@ -148,6 +148,9 @@ class DiLoCoConfig:
     )
     error_feedback: Optional[bool] = None  # int8/int4: carry what quantization lost into the next round
     quant_block_size: int = 256  # int8/int4: elements per bfloat16 scale
+    fragments: int = 1  # Streaming DiLoCo's P: fragment f syncs every H steps at offset (f+1)H/P
+    overlap_steps: int = 0  # tau: a fragment's outer step is applied tau inner steps after its sync
+    fragment_alpha: float = 0.0  # after the outer step: local <- alpha * local + (1 - alpha) * global
     fp16_scaling: bool = (
         True  # float16: per-tensor power-of-two scale agreed by all workers; false = plain cast
     )
