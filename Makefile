@@ -99,7 +99,7 @@ clean:  ## remove runs and caches (keeps .venv)
 # Benchmarks (issue #7): each script prints a table and writes results/bench/<name>.json; the report
 # turns them into results/bench/README.md. CPU ones take under 20 minutes on 2 cores.
 BENCH_ENV := WANDB_MODE=disabled HF_DATASETS_OFFLINE=1
-BENCH_CPU := wire trainer comm_volume outer_step boundary utilization
+BENCH_CPU := wire trainer comm_volume outer_step boundary utilization quant
 
 .PHONY: bench bench-gpu
 

@@ -12,7 +12,17 @@ from pathlib import Path
 
 import bench_common as bc
 
-ORDER = ["outer_step", "boundary", "wire", "trainer", "utilization", "comm_volume", "gpu", "trainer_gpu"]
+ORDER = [
+    "outer_step",
+    "boundary",
+    "wire",
+    "trainer",
+    "utilization",
+    "comm_volume",
+    "gpu",
+    "trainer_gpu",
+    "quant",
+]
 ISSUE_ITEM = {
     "outer_step": "1. Outer step vs memory bandwidth",
     "boundary": "2. Asynchronous boundary stall",
@@ -22,6 +32,7 @@ ISSUE_ITEM = {
     "comm_volume": "6. Communication volume",
     "gpu": "7. GPU",
     "trainer_gpu": "4. Trainer overhead on the GPU (150m)",
+    "quant": "8. Int8 / 4-bit encoding with error feedback (issue #13)",
 }
 
 

@@ -36,6 +36,11 @@ def run_tiny(name: str, out: Path, *extra: str) -> dict:
     return record
 
 
+def test_quant(tmp_path):
+    record = run_tiny("bench_quant", tmp_path)
+    assert {(r["dtype"], r["payload bytes"]) for r in record["rows"]} == {("int8", 264192), ("int4", 133120)}
+
+
 def test_wire(tmp_path):
     record = run_tiny("bench_wire", tmp_path)
     assert {r["dtype"] for r in record["rows"]} == {"float32", "float16"}

@@ -77,20 +77,24 @@ class QuantizedAverager:
         self.residuals: dict[int, torch.Tensor] = {}
         self.cast = CastStats()
 
-    def average_(self, flat: torch.Tensor, sizes: list[int], key: int = 0) -> torch.Tensor:
-        """flat (FP32 [n]) <- the mean over all members of what each sends for it."""
-        n = flat.numel()
+    def encode(self, flat: torch.Tensor, key: int = 0) -> torch.Tensor:
+        """This member's payload for bucket `key`; with error feedback flat becomes v = flat + residual and
+        the residual v - decode(payload)."""
         if self.error_feedback and key in self.residuals:
             flat.add_(self.residuals[key])  # v = pseudo_grad + what was lost last round
         payload = quantize(flat, self.bits, self.block)
-        sent = dequantize(payload, n, self.bits, self.block)
+        sent = dequantize(payload, flat.numel(), self.bits, self.block)
         self._measure(flat, sent)
         if self.error_feedback:
             self.residuals[key] = torch.sub(flat, sent, out=self.residuals.get(key))  # v - Q(v)
-        rows = self.coll.all_gather(payload, tag=f"pseudo_grad_{self.dtype}")  # [W, payload bytes]
+        return payload
+
+    def average_(self, flat: torch.Tensor, sizes: list[int], key: int = 0) -> torch.Tensor:
+        """flat (FP32 [n]) <- the mean over all members of what each sends for it."""
+        rows = self.coll.all_gather(self.encode(flat, key), tag=f"pseudo_grad_{self.dtype}")  # [W, bytes]
         flat.zero_()
         for row in rows:  # rank order: every member adds in the same order, the same mean everywhere
-            flat.add_(dequantize(row, n, self.bits, self.block))
+            flat.add_(dequantize(row, flat.numel(), self.bits, self.block))
         return flat.div_(self.coll.size)
 
     def _measure(self, v: torch.Tensor, sent: torch.Tensor) -> None:

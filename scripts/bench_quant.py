@@ -1,0 +1,79 @@
+"""Benchmark (issue #13): int8 / 4-bit encoding with error feedback against this machine's memory bandwidth.
+
+One worker's share of a round for one bucket of N float32 elements, through the project's own code
+(`diloco.quant`): add the residual, quantize (blockwise absmax, bfloat16 scales), decode what was sent,
+keep the new residual; and decoding one received payload. The floor is the bytes these steps must
+read and write at least once, divided by the copy bandwidth measured right before (`dst.copy_(src)`,
+bytes read + written per second), p the payload bytes:
+
+    encode with error feedback   read pseudo-grad 4N, read residual 4N, write residual 4N, write p
+    decode one payload           read p, add into the mean: read 4N, write 4N
+
+Target (issue #13): at most 2x the floor. Nothing is asserted; `make bench` reports.
+
+    python scripts/bench_quant.py            # a 128 MB bucket (the default bucket_size_mb), ~1 minute
+    python scripts/bench_quant.py --tiny
+"""
+
+from __future__ import annotations
+
+import bench_common as bc
+import torch
+
+from diloco.comm import SoloCollective
+from diloco.quant import QuantizedAverager, dequantize, payload_bytes
+
+
+def measure_dtype(dtype: str, bits: int, pseudo_grad: torch.Tensor, args) -> list[dict]:
+    n = pseudo_grad.numel()
+    avg = QuantizedAverager(SoloCollective(), dtype, block_size=256, error_feedback=True)
+    avg.residuals[0] = torch.randn(n) * 1e-5
+    v, mean = torch.empty(n), torch.zeros(n)
+    payload_n = payload_bytes(n, bits, 256)
+    bw = bc.copy_bandwidth(nbytes=4 * n, repeats=3)["gb_per_s"] * bc.GB
+    encode = bc.measure(
+        lambda: avg.encode(v, 0), args.repeats, args.warmup, setup=lambda: v.copy_(pseudo_grad)
+    )
+    payload = avg.encode(v.copy_(pseudo_grad), 0)
+    decode = bc.measure(lambda: mean.add_(dequantize(payload, n, bits, 256)), args.repeats, args.warmup)
+    rows = []
+    for what, m, floor_bytes in (
+        ("encode + error feedback", encode, 12 * n + payload_n),
+        ("decode one payload into the mean", decode, payload_n + 8 * n),
+    ):
+        floor = floor_bytes / bw
+        rows.append(
+            {
+                "dtype": dtype,
+                "step": what,
+                "elements": n,
+                "payload bytes": payload_n,
+                "seconds": m["median"],
+                "floor s": floor,
+                "x floor": m["median"] / floor,
+                "copy GB/s": bw / bc.GB,
+            }  # fmt: skip
+        )
+    return rows
+
+
+def main(argv=None) -> int:
+    p = bc.parser(__doc__.splitlines()[0], repeats=5)
+    p.add_argument("--mb", type=float, default=128, help="bucket size in float32 MB")
+    args = bc.finish_args(p.parse_args(argv))
+    torch.manual_seed(0)
+    pseudo_grad = torch.randn(int((1 if args.tiny else args.mb) * 2**20 / 4)) * 1e-3
+    rows = [
+        r for dtype, bits in (("int8", 8), ("int4", 4)) for r in measure_dtype(dtype, bits, pseudo_grad, args)
+    ]
+    verdicts = [
+        f"{r['dtype']} {r['step']}: {r['x floor']:.1f}x the bandwidth floor (target <= 2.0x): "
+        + ("met" if r["x floor"] <= 2.0 else "NOT met")
+        for r in rows
+    ]
+    bc.write("quant", "int8 / 4-bit encoding vs memory bandwidth", args, rows, verdicts=verdicts)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
