@@ -1,55 +1,10 @@
-"""Wire format of DumbDiLoCo: safetensors files with a strictly validated header.
+"""DumbDiLoCo's wire format: safetensors files whose header is validated before anything is loaded.
 
-Nothing in this module unpickles: files are parsed by hand (header) and loaded with
-`safetensors.torch.load` (payload); `torch.load` is never called.
-
-Tensor format and repository layout
-===================================
-
-Repository layout (a Hugging Face model repository, or a shared directory with the same paths)::
-
-    global/latest.safetensors                      full global state_dict (master writes)
-    global/step_count.json                         {"outer_step": N, ...} (master writes)
-    nodes/<node_id>/delta_<local_step>.safetensors one pseudo-gradient per node and inner boundary
-
-Other files may sit beside these; readers ignore what they do not know. The master publishes
-`global/latest.safetensors` and `global/step_count.json` in ONE transport write (one Hub commit),
-so a reader pinned to a revision never sees weights and step count from two different rounds.
-
-File format (safetensors, https://huggingface.co/docs/safetensors/index#format)::
-
-    [8 bytes: little-endian u64 N][N bytes: UTF-8 JSON header][payload]
-
-The JSON header maps each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}``
-(offsets relative to the payload start) and holds string metadata under ``"__metadata__"``.
-Our writer (`encode`) always adds two metadata fields:
-
-=================  ===========================================================================
-``format_version`` ``"1"``: version of this metadata schema (`FORMAT_VERSION`)
-``payload_sha256`` hex SHA-256 of the payload, i.e. every byte after the header
-=================  ===========================================================================
-
-A node delta (`DeltaMeta`) adds, all as strings:
-
-=========================== ===================================================================
-``node_id``                 sender, ``^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$`` and no ``..``
-``local_step``              local optimizer step at which the delta was taken (int >= 0)
-``base_outer_step``         outer step of the global model the baseline came from (int >= 0)
-``tokens_since_baseline``   tokens trained on since the baseline (int >= 0)
-``samples_since_baseline``  samples trained on since the baseline (int >= 0)
-``dtype``                   dtype of the pseudo-gradient tensors (``float32``, ...)
-``created_at``              ISO-8601 UTC time the file was written
-=========================== ===================================================================
-
-Delta tensors hold ``float32(baseline) - float32(current)`` (the pseudo-gradient, DiLoCo
-arXiv 2311.08105 Alg. 1) for every floating-point entry of the state_dict. A complex tensor is
-sent as ``float32(view_as_real(baseline)) - float32(view_as_real(current))`` (shape ``[..., 2]``)
-as the DumbDiLoCo spec says; non-floating buffers are never part of a delta.
-
-What a reader checks before trusting a file (`decode`): size within a cap; not a pickle/zip
-(`torch.save` output renamed to ``.safetensors`` is rejected without unpickling); a header that
-is valid JSON with known dtypes and offsets that tile the payload exactly; the payload SHA-256;
-the expected keys, shapes and dtypes; finite values.
+Invariants: nothing here unpickles (headers are parsed by hand, payloads by `safetensors.torch.load`);
+`encode` writes one canonical header (sorted keys, `format_version`, `payload_sha256`), so the same
+tensors and metadata give the same bytes in every process; `decode` refuses a file before loading it
+unless its size, header, payload SHA-256, keys, shapes, dtypes and values all check out.
+Layout, metadata fields and reader checks: docs/dumb_diloco.md#tensor-format-and-metadata.
 """
 
 from __future__ import annotations
@@ -65,36 +20,6 @@ from datetime import datetime, timezone
 import torch
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
-
-__all__ = [
-    "DEFAULT_MAX_HEADER_BYTES",
-    "DTYPE_BITS",
-    "FORMAT_VERSION",
-    "GLOBAL_STEP_PATH",
-    "GLOBAL_WEIGHTS_PATH",
-    "META_BASE_OUTER_STEP",
-    "META_CREATED_AT",
-    "META_DTYPE",
-    "META_FORMAT_VERSION",
-    "META_LOCAL_STEP",
-    "META_NODE_ID",
-    "META_PAYLOAD_SHA256",
-    "META_SAMPLES",
-    "META_TOKENS",
-    "NODES_DIR",
-    "DeltaMeta",
-    "InvalidTensorFile",
-    "SafetensorsHeader",
-    "TensorInfo",
-    "decode",
-    "delta_path",
-    "encode",
-    "is_delta_tensor",
-    "parse_delta_path",
-    "parse_header",
-    "pseudo_gradient",
-    "validate_node_id",
-]
 
 FORMAT_VERSION = "1"
 META_FORMAT_VERSION = "format_version"
@@ -115,57 +40,16 @@ NODES_DIR = "nodes"
 # making a reader allocate gigabytes.
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024 * 1024
 
-# Every dtype the safetensors format defines, with its size in bits.
-DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8,
-    "U8": 8,
-    "I8": 8,
-    "F8_E5M2": 8,
-    "F8_E4M3": 8,
-    "F8_E4M3FNUZ": 8,
-    "F8_E5M2FNUZ": 8,
-    "F8_E8M0": 8,
-    "F4": 4,
-    "F6_E2M3": 6,
-    "F6_E3M2": 6,
-    "I16": 16,
-    "U16": 16,
-    "F16": 16,
-    "BF16": 16,
-    "I32": 32,
-    "U32": 32,
-    "F32": 32,
-    "C64": 64,
-    "I64": 64,
-    "U64": 64,
-    "F64": 64,
-}
-
-# The subset `safetensors.torch.load` turns into torch tensors.
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "C64": torch.complex64,
-}
-for _name, _attr in (
-    ("U16", "uint16"),
-    ("U32", "uint32"),
-    ("U64", "uint64"),
-    ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"),
-    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
-    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
-):
-    if hasattr(torch, _attr):
-        _TORCH_DTYPES[_name] = getattr(torch, _attr)
+# Every safetensors dtype: name, size in bits, torch dtype ("-": safetensors.torch cannot load it).
+_DTYPE_TABLE = """
+    BOOL 8 bool  U8 8 uint8  I8 8 int8  I16 16 int16  U16 16 uint16  I32 32 int32  U32 32 uint32
+    I64 64 int64  U64 64 uint64  F16 16 float16  BF16 16 bfloat16  F32 32 float32  F64 64 float64
+    C64 64 complex64  F8_E5M2 8 float8_e5m2  F8_E4M3 8 float8_e4m3fn  F8_E4M3FNUZ 8 float8_e4m3fnuz
+    F8_E5M2FNUZ 8 float8_e5m2fnuz  F8_E8M0 8 -  F4 4 -  F6_E2M3 6 -  F6_E3M2 6 -
+"""
+_NAMES, _BITS, _ATTRS = (_DTYPE_TABLE.split()[i::3] for i in range(3))
+DTYPE_BITS: dict[str, int] = {name: int(bits) for name, bits in zip(_NAMES, _BITS)}
+_TORCH_DTYPES = {name: getattr(torch, attr) for name, attr in zip(_NAMES, _ATTRS) if hasattr(torch, attr)}
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _TORCH_DTYPES.items()}
 
 _DELTA_DTYPES = ("float32", "bfloat16", "float16", "float64")
