@@ -12,13 +12,13 @@ import contextlib
 import json
 import os
 import re
-import struct
 import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .store import (
     CTRL_DIR,
@@ -31,7 +31,7 @@ from .store import (
     validate_prefix,
     validate_repo_path,
 )
-from .tensor_format import DEFAULT_MAX_HEADER_BYTES, InvalidTensorFile, SafetensorsHeader, parse_header
+from .tensor_format import DEFAULT_MAX_HEADER_BYTES, SafetensorsHeader, read_header_ranges
 
 _VERSION_RE = re.compile(r"^(.+)@(\d{12})-([0-9a-f]{16})(\.del)?$")
 _FORMAT_LINE = "dumb-diloco directory repository, format 1\n"
@@ -44,15 +44,6 @@ class _Version:
     unit: str
     deleted: bool
     entry: str  # file name inside the index directory
-
-
-@dataclass
-class _LogRecord:
-    rev: int
-    unit: str
-    time: float
-    files: dict[str, int] = field(default_factory=dict)
-    deleted: list[str] = field(default_factory=list)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -98,7 +89,7 @@ class DirectoryTransport:
         self._files = self._ctrl / "files"
         self._log_dir = self._ctrl / "log"
         self._tmp = self._ctrl / "tmp"
-        self._log_cache: dict[int, _LogRecord] = {}
+        self._log_cache: dict[int, dict[str, Any]] = {}
         self._cache_lock = threading.Lock()
         marker = self._ctrl / "FORMAT"
         if not marker.exists():
@@ -123,21 +114,16 @@ class DirectoryTransport:
     def _log_path(self, rev: int) -> Path:
         return self._log_dir / f"{rev:012d}.json"
 
-    def _log(self, rev: int) -> _LogRecord | None:
+    def _log(self, rev: int) -> dict[str, Any] | None:
         rec = self._log_cache.get(rev)
         if rec is not None:
             return rec
         try:
-            raw = json.loads(self._log_path(rev).read_bytes())
+            rec = json.loads(
+                self._log_path(rev).read_bytes()
+            )  # {"rev", "unit", "time", "files": {path: size}, ...}
         except FileNotFoundError:
             return None
-        rec = _LogRecord(
-            rev=raw["rev"],
-            unit=raw["unit"],
-            time=raw["time"],
-            files=raw.get("files", {}),
-            deleted=raw.get("deleted", []),
-        )
         with self._cache_lock:
             self._log_cache[rev] = rec
         return rec
@@ -184,9 +170,9 @@ class DirectoryTransport:
             versions.sort(key=lambda v: v.rev, reverse=True)
         return out
 
-    def _committed(self, v: _Version) -> _LogRecord | None:
+    def _committed(self, v: _Version) -> dict[str, Any] | None:
         rec = self._log(v.rev)
-        return rec if rec is not None and rec.unit == v.unit else None
+        return rec if rec is not None and rec["unit"] == v.unit else None
 
     def _visible(self, versions: list[_Version], rev: int) -> _Version | None:
         """The version a reader at `rev` sees (None: absent or deleted)."""
@@ -204,7 +190,7 @@ class DirectoryTransport:
             raise RemoteNotFound(f"{path} does not exist at revision {rev:012d}")
         rec = self._log(v.rev)
         assert rec is not None
-        return index_dir / v.entry, int(rec.files.get(path, -1))
+        return index_dir / v.entry, int(rec.get("files", {}).get(path, -1))
 
     # ---- Transport API
 
@@ -229,7 +215,7 @@ class DirectoryTransport:
                     path = f"{rel}/{name}" if rel else name
                     rec = self._log(v.rev)
                     assert rec is not None
-                    out.append(RemoteFile(path, int(rec.files[path]), f"{v.rev}:{v.entry}"))
+                    out.append(RemoteFile(path, int(rec["files"][path]), f"{v.rev}:{v.entry}"))
         return sorted(out, key=lambda f: f.path)
 
     def read(self, path: str, revision: str | None = None, max_bytes: int | None = None) -> bytes:
@@ -248,13 +234,9 @@ class DirectoryTransport:
         try:
             with open(file, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                prefix = f.read(8)
-                if len(prefix) < 8:
-                    raise InvalidTensorFile(f"{path}: file too short for a safetensors header")
-                (n,) = struct.unpack("<Q", prefix)
-                if n > max_header_bytes or 8 + n > size:
-                    return parse_header(prefix, file_size=size, max_header_bytes=max_header_bytes)  # raises
-                return parse_header(prefix + f.read(n), file_size=size, max_header_bytes=max_header_bytes)
+                return read_header_ranges(
+                    path, lambda start, n: (os.pread(f.fileno(), n, start), size), max_header_bytes
+                )
         except FileNotFoundError:
             raise RemoteNotFound(f"{path}: this version was garbage-collected (revision too old)") from None
 
@@ -326,15 +308,8 @@ class DirectoryTransport:
                 target = index_dir / f"{name}@{rev:012d}-{unit}{'.del' if is_del else ''}"
                 os.rename(current, target)
                 staged[i] = (path, index_dir, target, is_del)
-            record = {
-                "rev": rev,
-                "unit": unit,
-                "parent": head,
-                "time": time.time(),
-                "message": message,
-                "files": {p: len(d) for p, d in files.items()},
-                "deleted": list(delete),
-            }
+            record = {"rev": rev, "unit": unit, "parent": head, "time": time.time(), "message": message}
+            record |= {"files": {p: len(d) for p, d in files.items()}, "deleted": list(delete)}
             tmp = self._tmp / f"log.{unit}.{rev}"
             _write_durable(tmp, json.dumps(record).encode())
             try:
@@ -382,7 +357,7 @@ class DirectoryTransport:
         grace = self.keep_old_versions_s
         for index_dir in index_dirs:
             for versions in self._versions(index_dir).values():
-                newer: _LogRecord | None = None  # commit of the next newer committed version
+                newer: dict[str, Any] | None = None  # commit of the next newer committed version
                 for v in versions:  # newest first
                     rec = self._committed(v)
                     if rec is None:
@@ -390,8 +365,8 @@ class DirectoryTransport:
                         if now - os.stat(index_dir / v.entry).st_mtime > grace:
                             (index_dir / v.entry).unlink()
                         continue
-                    superseded = newer is not None and now - newer.time > grace
-                    lone_tombstone = newer is None and v.deleted and now - rec.time > grace
+                    superseded = newer is not None and now - newer["time"] > grace
+                    lone_tombstone = newer is None and v.deleted and now - rec["time"] > grace
                     if superseded or lone_tombstone:
                         (index_dir / v.entry).unlink()
                     newer = rec

@@ -15,7 +15,6 @@ import logging
 import os
 import random
 import re
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +35,7 @@ from .store import (
     validate_prefix,
     validate_repo_path,
 )
-from .tensor_format import DEFAULT_MAX_HEADER_BYTES, InvalidTensorFile, SafetensorsHeader, parse_header
+from .tensor_format import DEFAULT_MAX_HEADER_BYTES, SafetensorsHeader, read_header_ranges
 
 logger = logging.getLogger("diloco.dumb_diloco.transport")
 
@@ -324,15 +323,13 @@ class HubTransport:
         # Two exact Range reads, not `HfApi.parse_safetensors_file_metadata`: that one fetches 100 kB, has no
         # retries, returns no file size (so no check that the payload ends the file) and accepts duplicate keys.
         validate_repo_path(path)
-        what = f"read header of {path!r}"
-        prefix, total = self._call(what, lambda: self._get(path, revision, 0, 8, None))
-        if len(prefix) < 8:
-            raise InvalidTensorFile(f"{path}: file too short for a safetensors header")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > max_header_bytes or (total is not None and 8 + n > total) or n < 2:
-            return parse_header(prefix, file_size=total, max_header_bytes=max_header_bytes)  # raises
-        header, _ = self._call(what, lambda: self._get(path, revision, 8, n, None))
-        return parse_header(prefix + header, file_size=total, max_header_bytes=max_header_bytes)
+
+        def read(start: int, length: int) -> tuple[bytes, int | None]:
+            return self._call(
+                f"read header of {path!r}", lambda: self._get(path, revision, start, length, None)
+            )
+
+        return read_header_ranges(path, read, max_header_bytes)
 
     def _landed(self, files: dict[str, bytes], delete: Sequence[str]) -> str | None:
         """Head sha if the head already holds exactly `files` and none of `delete`, else None."""

@@ -9,12 +9,14 @@ Layout, metadata fields and reader checks: docs/dumb_diloco.md#tensor-format-and
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import re
 import struct
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 
 import torch
@@ -24,13 +26,6 @@ from safetensors.torch import save as _st_save
 FORMAT_VERSION = "1"
 META_FORMAT_VERSION = "format_version"
 META_PAYLOAD_SHA256 = "payload_sha256"
-META_NODE_ID = "node_id"
-META_LOCAL_STEP = "local_step"
-META_BASE_OUTER_STEP = "base_outer_step"
-META_TOKENS = "tokens_since_baseline"
-META_SAMPLES = "samples_since_baseline"
-META_DTYPE = "dtype"
-META_CREATED_AT = "created_at"
 
 GLOBAL_WEIGHTS_PATH = "global/latest.safetensors"
 GLOBAL_STEP_PATH = "global/step_count.json"
@@ -52,6 +47,7 @@ DTYPE_BITS: dict[str, int] = {name: int(bits) for name, bits in zip(_NAMES, _BIT
 _TORCH_DTYPES = {name: getattr(torch, attr) for name, attr in zip(_NAMES, _ATTRS) if hasattr(torch, attr)}
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _TORCH_DTYPES.items()}
 
+_INT_FIELDS = ("local_step", "base_outer_step", "tokens_since_baseline", "samples_since_baseline")
 _DELTA_DTYPES = ("float32", "bfloat16", "float16", "float64")
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _DELTA_NAME_RE = re.compile(r"^delta_(0|[1-9][0-9]*)\.safetensors$")
@@ -92,9 +88,6 @@ class SafetensorsHeader:
         return self.payload_offset + self.payload_size
 
 
-# --------------------------------------------------------------------------- node ids and paths
-
-
 def validate_node_id(node_id: str) -> str:
     """Return `node_id` if it is a safe path component, else raise ValueError (one line)."""
     if not isinstance(node_id, str) or not node_id:
@@ -122,19 +115,10 @@ def delta_path(node_id: str, local_step: int) -> str:
 def parse_delta_path(path: str) -> tuple[str, int] | None:
     """(node_id, local_step) for a delta path, None for anything else."""
     parts = path.split("/")
-    if len(parts) != 3 or parts[0] != NODES_DIR:
-        return None
-    m = _DELTA_NAME_RE.fullmatch(parts[2])
-    if m is None:
-        return None
-    try:
-        node_id = validate_node_id(parts[1])
-    except ValueError:
-        return None
-    return node_id, int(m.group(1))
-
-
-# --------------------------------------------------------------------------- metadata schema
+    m = _DELTA_NAME_RE.fullmatch(parts[2]) if len(parts) == 3 and parts[0] == NODES_DIR else None
+    with contextlib.suppress(ValueError):
+        return (validate_node_id(parts[1]), int(m.group(1))) if m else None
+    return None
 
 
 def _parse_nonneg_int(meta: dict[str, str], key: str) -> int:
@@ -162,7 +146,7 @@ class DeltaMeta:
 
     def __post_init__(self) -> None:
         validate_node_id(self.node_id)
-        for name in ("local_step", "base_outer_step", "tokens_since_baseline", "samples_since_baseline"):
+        for name in _INT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -178,45 +162,22 @@ class DeltaMeta:
             raise ValueError(f"unsupported format_version {self.format_version!r}")
 
     def to_header(self) -> dict[str, str]:
-        meta = {
-            META_FORMAT_VERSION: self.format_version,
-            META_NODE_ID: self.node_id,
-            META_LOCAL_STEP: str(self.local_step),
-            META_BASE_OUTER_STEP: str(self.base_outer_step),
-            META_TOKENS: str(self.tokens_since_baseline),
-            META_SAMPLES: str(self.samples_since_baseline),
-            META_DTYPE: self.dtype,
-            META_CREATED_AT: self.created_at,
-        }
-        if self.payload_sha256:
-            meta[META_PAYLOAD_SHA256] = self.payload_sha256
-        return meta
+        """Every field as a string under its own name (the header's `__metadata__`); payload_sha256 once set."""
+        return {f.name: str(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) != ""}
 
     @classmethod
     def from_header(cls, meta: dict[str, str]) -> DeltaMeta:
         """Parse and validate; raises InvalidTensorFile with a one-line reason."""
-        for key in (META_FORMAT_VERSION, META_NODE_ID, META_DTYPE, META_CREATED_AT):
+        for key in ("format_version", "node_id", "dtype", "created_at"):
             if not isinstance(meta.get(key), str):
                 raise InvalidTensorFile(f"metadata field {key!r} is missing")
+        strings = {f.name: meta[f.name] for f in fields(cls) if f.name in meta and f.name not in _INT_FIELDS}
         try:
-            return cls(
-                node_id=meta[META_NODE_ID],
-                local_step=_parse_nonneg_int(meta, META_LOCAL_STEP),
-                base_outer_step=_parse_nonneg_int(meta, META_BASE_OUTER_STEP),
-                tokens_since_baseline=_parse_nonneg_int(meta, META_TOKENS),
-                samples_since_baseline=_parse_nonneg_int(meta, META_SAMPLES),
-                dtype=meta[META_DTYPE],
-                created_at=meta[META_CREATED_AT],
-                payload_sha256=meta.get(META_PAYLOAD_SHA256, ""),
-                format_version=meta[META_FORMAT_VERSION],
-            )
+            return cls(**strings, **{name: _parse_nonneg_int(meta, name) for name in _INT_FIELDS})
         except ValueError as err:
             if isinstance(err, InvalidTensorFile):
                 raise
             raise InvalidTensorFile(f"bad delta metadata: {err}") from None
-
-
-# --------------------------------------------------------------------------- header parsing
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -226,6 +187,10 @@ def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]
             raise InvalidTensorFile(f"header has duplicate key {key!r}")
         out[key] = value
     return out
+
+
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _looks_like_pickle(prefix: bytes) -> str | None:
@@ -294,15 +259,10 @@ def parse_header(
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if dtype not in DTYPE_BITS:
             raise InvalidTensorFile(f"tensor {name!r}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
+        if not isinstance(shape, list) or not all(map(_is_count, shape)):
             raise InvalidTensorFile(f"tensor {name!r}: shape must be a list of non-negative ints")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
-            or offsets[0] > offsets[1]
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))) or (
+            offsets[0] > offsets[1]
         ):
             raise InvalidTensorFile(
                 f"tensor {name!r}: data_offsets must be [begin, end] with 0 <= begin <= end"
@@ -330,7 +290,18 @@ def parse_header(
     return SafetensorsHeader(tensors=tensors, metadata=metadata, header_len=header_len, payload_size=end)
 
 
-# --------------------------------------------------------------------------- encode / decode
+def read_header_ranges(
+    path: str, read: Callable[[int, int], tuple[bytes, int | None]], max_header_bytes: int
+) -> SafetensorsHeader:
+    """The validated header of a file read through `read(start, length) -> (bytes, file size or None)`:
+    the 8-byte length, then the JSON header only if the length is plausible. Never reads the payload."""
+    prefix, size = read(0, 8)
+    if len(prefix) < 8:
+        raise InvalidTensorFile(f"{path}: file too short for a safetensors header")
+    (n,) = struct.unpack("<Q", prefix)
+    if 2 <= n <= max_header_bytes and (size is None or 8 + n <= size):
+        prefix += read(8, n)[0]
+    return parse_header(prefix, file_size=size, max_header_bytes=max_header_bytes)
 
 
 def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
@@ -428,14 +399,11 @@ def decode(
         if info.dtype not in _TORCH_DTYPES:
             raise InvalidTensorFile(f"tensor {name!r}: dtype {info.dtype} cannot be loaded into torch")
     if expected is not None:
-        missing = sorted(set(expected) - set(header.tensors))
-        extra = sorted(set(header.tensors) - set(expected))
-        if missing or extra:
-            parts = []
-            if missing:
-                parts.append(f"missing {len(missing)} key(s) e.g. {missing[:3]}")
-            if extra:
-                parts.append(f"unexpected {len(extra)} key(s) e.g. {extra[:3]}")
+        diff = {
+            "missing": set(expected) - set(header.tensors),
+            "unexpected": set(header.tensors) - set(expected),
+        }
+        if parts := [f"{what} {len(k)} key(s) e.g. {sorted(k)[:3]}" for what, k in diff.items() if k]:
             raise InvalidTensorFile("; ".join(parts))
         for name, (shape, dtype) in expected.items():
             info = header.tensors[name]
@@ -454,9 +422,6 @@ def decode(
             if (t.is_floating_point() or t.is_complex()) and not _all_finite(t):
                 raise InvalidTensorFile(f"tensor {name!r} holds NaN or Inf")
     return tensors, meta
-
-
-# --------------------------------------------------------------------------- deltas
 
 
 def is_delta_tensor(t: torch.Tensor) -> bool:
