@@ -150,42 +150,37 @@ class HubTransport:
             text = text.replace(self._token, "***")
         return _TOKEN_RE.sub(r"\1***", text)[:400]
 
-    def _classify(self, err: BaseException) -> tuple[str, float | None, int | None]:
-        """(kind, retry_after, status) with kind in transient/conflict/not_found/fatal/raise."""
+    def _classify(self, err: Exception) -> tuple[str | None, float | None, int | None]:
+        """(why it is final, None if retryable; Retry-After; HTTP status); re-raises what is not the Hub's."""
         import httpx2
         from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-        if isinstance(err, TransportError):
-            return "raise", None, None
         if isinstance(err, HfHubHTTPError) and getattr(err, "response", None) is not None:
             status = err.response.status_code
-            kind = {412: "conflict", 404: "not_found"}.get(status, "fatal")
             if status in (408, 409, 429) or status >= 500:
-                return "transient", _parse_retry_after(err.response.headers.get("Retry-After")), status
-            return kind, None, status
+                return None, _parse_retry_after(err.response.headers.get("Retry-After")), status
+            return {412: "conflict", 404: "not_found"}.get(status, "fatal"), None, status
         if isinstance(err, OfflineModeIsEnabled):
             return "fatal", None, None
-        if isinstance(err, httpx2.TransportError | ConnectionError | TimeoutError | _Truncated):
-            return "transient", None, None
-        return "raise", None, None
+        if isinstance(err, TransportError) or not isinstance(
+            err, httpx2.TransportError | ConnectionError | TimeoutError | _Truncated
+        ):
+            raise err
+        return None, None, None
 
     def _call(
         self, what: str, fn: Callable[[], T], *, on_transient: Callable[[], T | None] | None = None
     ) -> T:
         """Run `fn` with retries. `on_transient`, if given, runs after an ambiguous failure and
         before the next attempt; a non-None result ends the call with that result."""
-        start = time.monotonic()
-        attempt = 0
-        ambiguous = False
+        start, attempt, ambiguous = time.monotonic(), 0, False
         while True:
             attempt += 1
             try:
                 return fn()
             except Exception as err:
-                kind, retry_after, status = self._classify(err)
-                if kind == "raise":
-                    raise
-                if on_transient is not None and (ambiguous or (kind == "transient" and status != 429)):
+                final, retry_after, status = self._classify(err)
+                if on_transient is not None and (ambiguous or (final is None and status != 429)):
                     ambiguous = True  # the last attempt may have been applied although its answer was lost
                     with contextlib.suppress(Exception):
                         if (done := on_transient()) is not None:
@@ -194,11 +189,11 @@ class HubTransport:
                             )
                             return done
                 desc = self._describe(err, status)
-                if kind == "conflict":
+                if final == "conflict":
                     raise RevisionConflict(f"{what}: the repository moved on ({desc})") from None
-                if kind == "not_found":
+                if final == "not_found":
                     raise RemoteNotFound(f"{what}: not found ({desc})") from None
-                if kind == "fatal":
+                if final == "fatal":
                     raise TransportError(f"{what} failed: {desc}") from None
                 if status == 429:
                     logger.warning(

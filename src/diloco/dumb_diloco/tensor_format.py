@@ -67,10 +67,6 @@ class TensorInfo:
     shape: tuple[int, ...]
     data_offsets: tuple[int, int]  # [begin, end) relative to the payload start
 
-    @property
-    def nbytes(self) -> int:
-        return self.data_offsets[1] - self.data_offsets[0]
-
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
