@@ -139,9 +139,7 @@ class HubTransport:
     def __repr__(self) -> str:
         return f"HubTransport(repo_id={self.repo_id!r}, endpoint={self.endpoint!r})"
 
-    # ---- retries: huggingface_hub's `http_backoff` retries one raw HTTP request with time.sleep, no jitter
-    # and no overall deadline; a commit is several requests inside `HfApi.create_commit` and needs the
-    # landed-check between attempts, so one loop here covers every call with `RetryPolicy`.
+    # ---- retries (not http_backoff: it retries one raw request, no jitter/deadline; a commit is several)
 
     def _describe(self, err: BaseException, status: int | None = None) -> str:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
@@ -315,8 +313,7 @@ class HubTransport:
     def read_header(
         self, path: str, revision: str | None = None, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     ) -> SafetensorsHeader:
-        # Two exact Range reads, not `HfApi.parse_safetensors_file_metadata`: that one fetches 100 kB, has no
-        # retries, returns no file size (so no check that the payload ends the file) and accepts duplicate keys.
+        # 2 exact Range reads, not HfApi.parse_safetensors_file_metadata (100 kB, no retries, no file size)
         validate_repo_path(path)
 
         def read(start: int, length: int) -> tuple[bytes, int | None]:

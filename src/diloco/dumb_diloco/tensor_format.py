@@ -158,7 +158,7 @@ class DeltaMeta:
             raise ValueError(f"unsupported format_version {self.format_version!r}")
 
     def to_header(self) -> dict[str, str]:
-        """Every field as a string under its own name (the header's `__metadata__`); payload_sha256 once set."""
+        """Every field as a string under its own name (`__metadata__`); payload_sha256 once it is set."""
         return {f.name: str(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) != ""}
 
     @classmethod
@@ -197,6 +197,7 @@ def _looks_like_pickle(prefix: bytes) -> str | None:
     return None
 
 
+# By hand, not with safetensors: its parser needs the whole file; this one reads a remote header alone.
 def parse_header(
     blob_prefix: bytes,
     *,
