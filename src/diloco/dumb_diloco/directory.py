@@ -137,9 +137,6 @@ class DirectoryTransport:
             head += 1
         return head
 
-    def _set_head_hint(self, rev: int) -> None:
-        write_atomic(self._ctrl / "HEAD", str(rev).encode())
-
     def _resolve(self, revision: str | None) -> int:
         head = self._head()
         if revision is None:
@@ -272,7 +269,7 @@ class DirectoryTransport:
                 with contextlib.suppress(OSError):
                     tmp.unlink()
             raise
-        self._set_head_hint(rev)
+        write_atomic(self._ctrl / "HEAD", str(rev).encode())  # a hint for `_head`, which probes past it
         for path in [*files, *delete]:
             with contextlib.suppress(OSError):
                 self._sync_view(path)
