@@ -252,10 +252,10 @@ class _WallClock:
 
 
 def test_directory_old_versions_kept_for_grace_period_then_collected(tmp_path, monkeypatch):
-    import diloco.dumb_diloco.transport as transport_module
+    import diloco.dumb_diloco.directory as directory_module
 
     clock = _WallClock()  # commit times and the collector's "now" come from it: no race with a slow disk
-    monkeypatch.setattr(transport_module, "time", clock)
+    monkeypatch.setattr(directory_module, "time", clock)
     repo = DirectoryTransport(tmp_path / "repo", keep_old_versions_s=0.3)
     r1 = repo.write({W: b"old", S: b"1"})
     repo.write({W: b"new", S: b"2"})

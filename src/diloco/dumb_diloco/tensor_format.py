@@ -1,111 +1,31 @@
-"""Wire format of DumbDiLoCo: safetensors files with a strictly validated header.
+"""DumbDiLoCo's wire format: safetensors files whose header is validated before anything is loaded.
 
-Nothing in this module unpickles: files are parsed by hand (header) and loaded with
-`safetensors.torch.load` (payload); `torch.load` is never called.
-
-Tensor format and repository layout
-===================================
-
-Repository layout (a Hugging Face model repository, or a shared directory with the same paths)::
-
-    global/latest.safetensors                      full global state_dict (master writes)
-    global/step_count.json                         {"outer_step": N, ...} (master writes)
-    nodes/<node_id>/delta_<local_step>.safetensors one pseudo-gradient per node and inner boundary
-
-Other files may sit beside these; readers ignore what they do not know. The master publishes
-`global/latest.safetensors` and `global/step_count.json` in ONE transport write (one Hub commit),
-so a reader pinned to a revision never sees weights and step count from two different rounds.
-
-File format (safetensors, https://huggingface.co/docs/safetensors/index#format)::
-
-    [8 bytes: little-endian u64 N][N bytes: UTF-8 JSON header][payload]
-
-The JSON header maps each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}``
-(offsets relative to the payload start) and holds string metadata under ``"__metadata__"``.
-Our writer (`encode`) always adds two metadata fields:
-
-=================  ===========================================================================
-``format_version`` ``"1"``: version of this metadata schema (`FORMAT_VERSION`)
-``payload_sha256`` hex SHA-256 of the payload, i.e. every byte after the header
-=================  ===========================================================================
-
-A node delta (`DeltaMeta`) adds, all as strings:
-
-=========================== ===================================================================
-``node_id``                 sender, ``^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$`` and no ``..``
-``local_step``              local optimizer step at which the delta was taken (int >= 0)
-``base_outer_step``         outer step of the global model the baseline came from (int >= 0)
-``tokens_since_baseline``   tokens trained on since the baseline (int >= 0)
-``samples_since_baseline``  samples trained on since the baseline (int >= 0)
-``dtype``                   dtype of the pseudo-gradient tensors (``float32``, ...)
-``created_at``              ISO-8601 UTC time the file was written
-=========================== ===================================================================
-
-Delta tensors hold ``float32(baseline) - float32(current)`` (the pseudo-gradient, DiLoCo
-arXiv 2311.08105 Alg. 1) for every floating-point entry of the state_dict. A complex tensor is
-sent as ``float32(view_as_real(baseline)) - float32(view_as_real(current))`` (shape ``[..., 2]``)
-as the DumbDiLoCo spec says; non-floating buffers are never part of a delta.
-
-What a reader checks before trusting a file (`decode`): size within a cap; not a pickle/zip
-(`torch.save` output renamed to ``.safetensors`` is rejected without unpickling); a header that
-is valid JSON with known dtypes and offsets that tile the payload exactly; the payload SHA-256;
-the expected keys, shapes and dtypes; finite values.
+Invariants: nothing here unpickles (headers are parsed by hand, payloads by `safetensors.torch.load`);
+`encode` writes one canonical header (sorted keys, `format_version`, `payload_sha256`), so the same
+tensors and metadata give the same bytes in every process; `decode` refuses a file before loading it
+unless its size, header, payload SHA-256, keys, shapes, dtypes and values all check out.
+Layout, metadata fields and reader checks: docs/dumb_diloco.md#tensor-format-and-metadata.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import re
 import struct
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 
 import torch
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
-__all__ = [
-    "DEFAULT_MAX_HEADER_BYTES",
-    "DTYPE_BITS",
-    "FORMAT_VERSION",
-    "GLOBAL_STEP_PATH",
-    "GLOBAL_WEIGHTS_PATH",
-    "META_BASE_OUTER_STEP",
-    "META_CREATED_AT",
-    "META_DTYPE",
-    "META_FORMAT_VERSION",
-    "META_LOCAL_STEP",
-    "META_NODE_ID",
-    "META_PAYLOAD_SHA256",
-    "META_SAMPLES",
-    "META_TOKENS",
-    "NODES_DIR",
-    "DeltaMeta",
-    "InvalidTensorFile",
-    "SafetensorsHeader",
-    "TensorInfo",
-    "decode",
-    "delta_path",
-    "encode",
-    "is_delta_tensor",
-    "parse_delta_path",
-    "parse_header",
-    "pseudo_gradient",
-    "validate_node_id",
-]
-
 FORMAT_VERSION = "1"
 META_FORMAT_VERSION = "format_version"
 META_PAYLOAD_SHA256 = "payload_sha256"
-META_NODE_ID = "node_id"
-META_LOCAL_STEP = "local_step"
-META_BASE_OUTER_STEP = "base_outer_step"
-META_TOKENS = "tokens_since_baseline"
-META_SAMPLES = "samples_since_baseline"
-META_DTYPE = "dtype"
-META_CREATED_AT = "created_at"
 
 GLOBAL_WEIGHTS_PATH = "global/latest.safetensors"
 GLOBAL_STEP_PATH = "global/step_count.json"
@@ -115,59 +35,19 @@ NODES_DIR = "nodes"
 # making a reader allocate gigabytes.
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024 * 1024
 
-# Every dtype the safetensors format defines, with its size in bits.
-DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8,
-    "U8": 8,
-    "I8": 8,
-    "F8_E5M2": 8,
-    "F8_E4M3": 8,
-    "F8_E4M3FNUZ": 8,
-    "F8_E5M2FNUZ": 8,
-    "F8_E8M0": 8,
-    "F4": 4,
-    "F6_E2M3": 6,
-    "F6_E3M2": 6,
-    "I16": 16,
-    "U16": 16,
-    "F16": 16,
-    "BF16": 16,
-    "I32": 32,
-    "U32": 32,
-    "F32": 32,
-    "C64": 64,
-    "I64": 64,
-    "U64": 64,
-    "F64": 64,
-}
-
-# The subset `safetensors.torch.load` turns into torch tensors.
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "C64": torch.complex64,
-}
-for _name, _attr in (
-    ("U16", "uint16"),
-    ("U32", "uint32"),
-    ("U64", "uint64"),
-    ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"),
-    ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
-    ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
-):
-    if hasattr(torch, _attr):
-        _TORCH_DTYPES[_name] = getattr(torch, _attr)
+# Every safetensors dtype: name, size in bits, torch dtype ("-": safetensors.torch cannot load it).
+_DTYPE_TABLE = """
+    BOOL 8 bool  U8 8 uint8  I8 8 int8  I16 16 int16  U16 16 uint16  I32 32 int32  U32 32 uint32
+    I64 64 int64  U64 64 uint64  F16 16 float16  BF16 16 bfloat16  F32 32 float32  F64 64 float64
+    C64 64 complex64  F8_E5M2 8 float8_e5m2  F8_E4M3 8 float8_e4m3fn  F8_E4M3FNUZ 8 float8_e4m3fnuz
+    F8_E5M2FNUZ 8 float8_e5m2fnuz  F8_E8M0 8 -  F4 4 -  F6_E2M3 6 -  F6_E3M2 6 -
+"""
+_NAMES, _BITS, _ATTRS = (_DTYPE_TABLE.split()[i::3] for i in range(3))
+DTYPE_BITS: dict[str, int] = {name: int(bits) for name, bits in zip(_NAMES, _BITS)}
+_TORCH_DTYPES = {name: getattr(torch, attr) for name, attr in zip(_NAMES, _ATTRS) if hasattr(torch, attr)}
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _TORCH_DTYPES.items()}
 
+_INT_FIELDS = ("local_step", "base_outer_step", "tokens_since_baseline", "samples_since_baseline")
 _DELTA_DTYPES = ("float32", "bfloat16", "float16", "float64")
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _DELTA_NAME_RE = re.compile(r"^delta_(0|[1-9][0-9]*)\.safetensors$")
@@ -187,10 +67,6 @@ class TensorInfo:
     shape: tuple[int, ...]
     data_offsets: tuple[int, int]  # [begin, end) relative to the payload start
 
-    @property
-    def nbytes(self) -> int:
-        return self.data_offsets[1] - self.data_offsets[0]
-
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
@@ -206,9 +82,6 @@ class SafetensorsHeader:
     @property
     def file_size(self) -> int:
         return self.payload_offset + self.payload_size
-
-
-# --------------------------------------------------------------------------- node ids and paths
 
 
 def validate_node_id(node_id: str) -> str:
@@ -238,19 +111,10 @@ def delta_path(node_id: str, local_step: int) -> str:
 def parse_delta_path(path: str) -> tuple[str, int] | None:
     """(node_id, local_step) for a delta path, None for anything else."""
     parts = path.split("/")
-    if len(parts) != 3 or parts[0] != NODES_DIR:
-        return None
-    m = _DELTA_NAME_RE.fullmatch(parts[2])
-    if m is None:
-        return None
-    try:
-        node_id = validate_node_id(parts[1])
-    except ValueError:
-        return None
-    return node_id, int(m.group(1))
-
-
-# --------------------------------------------------------------------------- metadata schema
+    m = _DELTA_NAME_RE.fullmatch(parts[2]) if len(parts) == 3 and parts[0] == NODES_DIR else None
+    with contextlib.suppress(ValueError):
+        return (validate_node_id(parts[1]), int(m.group(1))) if m else None
+    return None
 
 
 def _parse_nonneg_int(meta: dict[str, str], key: str) -> int:
@@ -278,7 +142,7 @@ class DeltaMeta:
 
     def __post_init__(self) -> None:
         validate_node_id(self.node_id)
-        for name in ("local_step", "base_outer_step", "tokens_since_baseline", "samples_since_baseline"):
+        for name in _INT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -294,45 +158,22 @@ class DeltaMeta:
             raise ValueError(f"unsupported format_version {self.format_version!r}")
 
     def to_header(self) -> dict[str, str]:
-        meta = {
-            META_FORMAT_VERSION: self.format_version,
-            META_NODE_ID: self.node_id,
-            META_LOCAL_STEP: str(self.local_step),
-            META_BASE_OUTER_STEP: str(self.base_outer_step),
-            META_TOKENS: str(self.tokens_since_baseline),
-            META_SAMPLES: str(self.samples_since_baseline),
-            META_DTYPE: self.dtype,
-            META_CREATED_AT: self.created_at,
-        }
-        if self.payload_sha256:
-            meta[META_PAYLOAD_SHA256] = self.payload_sha256
-        return meta
+        """Every field as a string under its own name (`__metadata__`); payload_sha256 once it is set."""
+        return {f.name: str(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) != ""}
 
     @classmethod
     def from_header(cls, meta: dict[str, str]) -> DeltaMeta:
         """Parse and validate; raises InvalidTensorFile with a one-line reason."""
-        for key in (META_FORMAT_VERSION, META_NODE_ID, META_DTYPE, META_CREATED_AT):
+        for key in ("format_version", "node_id", "dtype", "created_at"):
             if not isinstance(meta.get(key), str):
                 raise InvalidTensorFile(f"metadata field {key!r} is missing")
+        strings = {f.name: meta[f.name] for f in fields(cls) if f.name in meta and f.name not in _INT_FIELDS}
         try:
-            return cls(
-                node_id=meta[META_NODE_ID],
-                local_step=_parse_nonneg_int(meta, META_LOCAL_STEP),
-                base_outer_step=_parse_nonneg_int(meta, META_BASE_OUTER_STEP),
-                tokens_since_baseline=_parse_nonneg_int(meta, META_TOKENS),
-                samples_since_baseline=_parse_nonneg_int(meta, META_SAMPLES),
-                dtype=meta[META_DTYPE],
-                created_at=meta[META_CREATED_AT],
-                payload_sha256=meta.get(META_PAYLOAD_SHA256, ""),
-                format_version=meta[META_FORMAT_VERSION],
-            )
+            return cls(**strings, **{name: _parse_nonneg_int(meta, name) for name in _INT_FIELDS})
         except ValueError as err:
             if isinstance(err, InvalidTensorFile):
                 raise
             raise InvalidTensorFile(f"bad delta metadata: {err}") from None
-
-
-# --------------------------------------------------------------------------- header parsing
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -344,6 +185,10 @@ def _reject_duplicate_keys(pairs: list[tuple[str, object]]) -> dict[str, object]
     return out
 
 
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 def _looks_like_pickle(prefix: bytes) -> str | None:
     if prefix[:4] == b"PK\x03\x04":
         return "file is a zip archive (torch.save output?), not safetensors; refusing to load it"
@@ -352,6 +197,7 @@ def _looks_like_pickle(prefix: bytes) -> str | None:
     return None
 
 
+# By hand, not with safetensors: its parser needs the whole file; this one reads a remote header alone.
 def parse_header(
     blob_prefix: bytes,
     *,
@@ -410,15 +256,10 @@ def parse_header(
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if dtype not in DTYPE_BITS:
             raise InvalidTensorFile(f"tensor {name!r}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
+        if not isinstance(shape, list) or not all(map(_is_count, shape)):
             raise InvalidTensorFile(f"tensor {name!r}: shape must be a list of non-negative ints")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
-            or offsets[0] > offsets[1]
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))) or (
+            offsets[0] > offsets[1]
         ):
             raise InvalidTensorFile(
                 f"tensor {name!r}: data_offsets must be [begin, end] with 0 <= begin <= end"
@@ -446,7 +287,18 @@ def parse_header(
     return SafetensorsHeader(tensors=tensors, metadata=metadata, header_len=header_len, payload_size=end)
 
 
-# --------------------------------------------------------------------------- encode / decode
+def read_header_ranges(
+    path: str, read: Callable[[int, int], tuple[bytes, int | None]], max_header_bytes: int
+) -> SafetensorsHeader:
+    """The validated header of a file read through `read(start, length) -> (bytes, file size or None)`:
+    the 8-byte length, then the JSON header only if the length is plausible. Never reads the payload."""
+    prefix, size = read(0, 8)
+    if len(prefix) < 8:
+        raise InvalidTensorFile(f"{path}: file too short for a safetensors header")
+    (n,) = struct.unpack("<Q", prefix)
+    if 2 <= n <= max_header_bytes and (size is None or 8 + n <= size):
+        prefix += read(8, n)[0]
+    return parse_header(prefix, file_size=size, max_header_bytes=max_header_bytes)
 
 
 def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
@@ -544,14 +396,11 @@ def decode(
         if info.dtype not in _TORCH_DTYPES:
             raise InvalidTensorFile(f"tensor {name!r}: dtype {info.dtype} cannot be loaded into torch")
     if expected is not None:
-        missing = sorted(set(expected) - set(header.tensors))
-        extra = sorted(set(header.tensors) - set(expected))
-        if missing or extra:
-            parts = []
-            if missing:
-                parts.append(f"missing {len(missing)} key(s) e.g. {missing[:3]}")
-            if extra:
-                parts.append(f"unexpected {len(extra)} key(s) e.g. {extra[:3]}")
+        diff = {
+            "missing": set(expected) - set(header.tensors),
+            "unexpected": set(header.tensors) - set(expected),
+        }
+        if parts := [f"{what} {len(k)} key(s) e.g. {sorted(k)[:3]}" for what, k in diff.items() if k]:
             raise InvalidTensorFile("; ".join(parts))
         for name, (shape, dtype) in expected.items():
             info = header.tensors[name]
@@ -570,9 +419,6 @@ def decode(
             if (t.is_floating_point() or t.is_complex()) and not _all_finite(t):
                 raise InvalidTensorFile(f"tensor {name!r} holds NaN or Inf")
     return tensors, meta
-
-
-# --------------------------------------------------------------------------- deltas
 
 
 def is_delta_tensor(t: torch.Tensor) -> bool:
