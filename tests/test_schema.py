@@ -79,9 +79,9 @@ def test_keys_outside_the_schema_are_refused_even_with_plus(override):
 
 
 def test_wire_dtypes_named_in_the_schema_are_the_ones_diloco_implements():
-    from diloco import comm
+    from diloco import comm, quant
 
-    assert set(WIRE_DTYPES) == set(comm.WIRE_DTYPES)
+    assert set(WIRE_DTYPES) == set(comm.WIRE_DTYPES) | set(quant.QUANT_BITS)
 
 
 def test_a_hand_built_block_is_typed_like_a_composed_one():

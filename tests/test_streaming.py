@@ -3,6 +3,8 @@ per sync, P=1 as plain DiLoCo, and exact resume with a fragment in flight."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from test_comm import run_threads
@@ -20,7 +22,9 @@ def moves(worker: int, step: int) -> list[torch.Tensor]:
     return [torch.randn(p.shape, generator=gen) * 0.05 for p in TinyModel().parameters()]
 
 
-def by_hand(fragments: int, tau: int, alpha: float, lr=0.7, mu=0.9) -> list[list[torch.Tensor]]:
+def by_hand(
+    fragments: int, tau: int, alpha: float, lr=0.7, mu=0.9, steps=STEPS, inner_steps=H
+) -> list[list[torch.Tensor]]:
     """Every worker's final weights, simulated tensor by tensor with torch.optim.SGD(nesterov=True)."""
     theta0 = [p.detach().clone() for p in TinyModel().parameters()]
     sizes, owner = [p.numel() for p in theta0], []  # each tensor's fragment, as fragment_buckets cuts
@@ -31,9 +35,9 @@ def by_hand(fragments: int, tau: int, alpha: float, lr=0.7, mu=0.9) -> list[list
     glob = [t.clone() for t in theta0]
     sgd = torch.optim.SGD(glob, lr=lr, momentum=mu, nesterov=True)
     local = [[t.clone() for t in theta0] for _ in range(W)]
-    offsets = {(f + 1) * H // fragments % H: f for f in range(fragments)}
+    offsets = {(f + 1) * inner_steps // fragments % inner_steps: f for f in range(fragments)}
     in_flight = []  # (apply_at, fragment, mean pseudo-gradients by tensor index)
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         for w in range(W):
             for t, d in zip(local[w], moves(w, step)):
                 t.sub_(d)
@@ -49,7 +53,7 @@ def by_hand(fragments: int, tau: int, alpha: float, lr=0.7, mu=0.9) -> list[list
                         local[w][i] = (
                             alpha * local[w][i] + (1 - alpha) * glob[i] if alpha else glob[i].clone()
                         )
-        f = offsets.get(step % H)
+        f = offsets.get(step % inner_steps)
         if f is not None:
             mean = {
                 i: sum(glob[i] - local[w][i] for w in range(W)) / W for i in range(len(glob)) if owner[i] == f
@@ -91,6 +95,35 @@ def simulated(fragments: int, tau: int, alpha: float) -> list[list[torch.Tensor]
 def test_fragments_overlap_and_mixing_follow_the_algorithm(fragments, tau, alpha):
     for ours, ref in zip(simulated(fragments, tau, alpha), by_hand(fragments, tau, alpha)):
         for a, b in zip(ours, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_transfer_overlaps_the_next_inner_steps():
+    """Worker 1 joins the averaging of step 2 only after worker 0 has returned from step 2's outer step
+    and finished step 3's inner work: a blocking transfer would deadlock (the group's timeout fails the
+    test); with the transfer thread both finish, with the by-hand result."""
+    models = [TinyModel() for _ in range(W)]
+    worker0_ahead = threading.Event()
+
+    def worker(w, coll):
+        model = models[w]
+        algo, _ = diloco_for(model, coll, inner_steps=2, overlap_steps=2)
+        for step in range(1, 6):
+            if w == 1 and step == 2:
+                assert worker0_ahead.wait(timeout=30)
+            with torch.no_grad():
+                for p, d in zip(model.parameters(), moves(w, step)):
+                    p.sub_(d)
+            algo.after_inner_step(step)
+            if w == 0 and step == 3:  # step 2's transfer is still waiting for worker 1
+                worker0_ahead.set()
+        algo.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    ours = run_threads(W, worker, timeout=30)
+    ref = by_hand(1, 2, 0.0, steps=5, inner_steps=2)
+    for a_list, b_list in zip(ours, ref):
+        for a, b in zip(a_list, b_list):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -142,4 +175,5 @@ def test_resumed_streaming_run_equals_uninterrupted_bit_for_bit(tmp_path, stop):
     wf, wp = final_weights(full), final_weights(part)
     assert all(torch.equal(wf[k], wp[k]) for k in wf)
     rounds = [(r["step"], r["outer/fragment"]) for r in read_metrics(full) if "outer/round" in r]
-    assert rounds == [(2, 0), (4, 1), (6, 0), (8, 1)]
+    # synced at 2, 4, 6, 8 and logged when applied, one step later: step 8's is still in flight at the end
+    assert rounds == [(3, 0), (5, 1), (7, 0)]

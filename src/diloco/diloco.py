@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -75,11 +76,20 @@ def fragment_buckets(
 
 @dataclass
 class _InFlight:
-    """A fragment's averaged pseudo-gradients, applied `overlap_steps` after they were sent."""
+    """A fragment's averaged pseudo-gradients, applied `overlap_steps` after they were sent; while the
+    transfer thread still averages them, `future` gives (grads, round metrics)."""
 
     apply_at: int  # the inner step after which they are applied
     fragment: int
-    grads: dict[int, torch.Tensor]  # bucket index -> mean pseudo-gradient [n], float32
+    grads: dict[int, torch.Tensor] | None = None  # bucket index -> mean pseudo-gradient [n], float32
+    metrics: dict = field(default_factory=dict)
+    future: Future | None = None
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        if self.future is not None:
+            self.grads, self.metrics = self.future.result()
+            self.future = None
+        return self.grads
 
 
 class DiLoCo:
@@ -140,6 +150,11 @@ class DiLoCo:
         self._schedule = {(f + 1) * inner_steps // fragments % inner_steps: f for f in range(fragments)}
         self.overlap_steps, self.fragment_alpha = overlap_steps, fragment_alpha
         self._in_flight: list[_InFlight] = []
+        # tau > 0, one rank per worker: the averaging runs on this thread during the next tau inner steps
+        # (with G > 1 ranks it would race DDP's collectives on the worker's group: it blocks instead)
+        self._transfer = None
+        if overlap_steps and (intra is None or intra.size == 1):
+            self._transfer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-transfer")
         self.sizes = [[p.numel() for p in b] for b in self.buckets]
         self.device = next(model.parameters()).device
         home = torch.device("cpu") if global_copy_device == "cpu" else self.device
@@ -162,6 +177,7 @@ class DiLoCo:
         self.meter = comm.RoundMeter(self.averager, self.intra, positions)
         self.outer_round, self.total_bytes, self.metric_bytes, self.peak_bytes = 0, 0, 0, 0
         self.comm_seconds, self.outer_seconds, self.inner_seconds = 0.0, 0.0, 0.0
+        self.blocked_seconds = 0.0  # the training thread's time in outer steps (comm included unless hidden)
         self._round_start: float | None = None
 
     # ---------------------------------------------------------------------------- the training loop's hooks
@@ -180,25 +196,36 @@ class DiLoCo:
         return self.inner_strategy.grad_sync(last_micro_step) if self.inner_strategy else nullcontext()
 
     def after_inner_step(self, step: int) -> dict[str, float]:
-        for job in [j for j in self._in_flight if j.apply_at == step]:  # sent overlap_steps ago
-            self._in_flight.remove(job)
-            self._apply(job.fragment, job.grads)
-        fragment = self._schedule.get(step % self.inner_steps)
-        if fragment is None:
-            return {}
         start = time.perf_counter()
-        inner = start - (self._round_start or start)
-        metrics = self.outer_step(fragment, step)
-        wall = time.perf_counter() - start
-        self.inner_seconds += inner
-        self.outer_seconds += wall - metrics["comm/seconds"]
-        self._round_start = None
-        return {
-            **metrics,
-            "outer/seconds": wall - metrics["comm/seconds"],
-            "outer/inner_seconds": inner,
-            "outer/compute_utilization": inner / max(inner + wall, 1e-9),
-        }
+        due = [j for j in self._in_flight if j.apply_at == step]  # synced overlap_steps ago
+        fragment = self._schedule.get(step % self.inner_steps)
+        if not due and fragment is None:
+            return {}
+        metrics = {}
+        for job in due:
+            self._in_flight.remove(job)
+            self._apply(job.fragment, job.wait())
+            metrics = job.metrics
+        inner = 0.0
+        if fragment is not None:  # a round of inner compute ends here
+            inner = start - (self._round_start or start)
+            self.inner_seconds += inner
+            self._round_start = None
+            metrics = self.outer_step(fragment, step) or metrics
+        blocked = time.perf_counter() - start  # the training thread's wait, hidden transfers excluded
+        self.blocked_seconds += blocked
+        if not metrics:
+            return {}
+        # with overlap the transfer ran on the transfer thread, or (G > 1) inside an earlier call's wait
+        outer = blocked - (0.0 if self.overlap_steps else metrics.get("comm/seconds", 0.0))
+        self.outer_seconds += outer
+        metrics = {**metrics, "outer/seconds": outer, "outer/blocked_seconds": blocked}
+        if fragment is not None:  # this round's share of compute (the run's is in summary())
+            metrics |= {
+                "outer/inner_seconds": inner,
+                "outer/compute_utilization": inner / max(inner + blocked, 1e-9),
+            }
+        return metrics
 
     @contextmanager
     def eval_weights(self, step: int):
@@ -226,37 +253,51 @@ class DiLoCo:
     @torch.no_grad()
     def outer_step(self, fragment: int = 0, step: int = 0) -> dict[str, float]:
         """Average the fragment's pseudo-gradients; step the outer optimizer and restart from the new
-        global weights now, or `overlap_steps` inner steps later (Streaming DiLoCo's overlap)."""
+        global weights now, or `overlap_steps` inner steps later (Streaming DiLoCo's overlap), the
+        averaging itself then running on the transfer thread meanwhile (its metrics come with the apply)."""
         self.outer_round += 1
+        if self._transfer is not None:  # snapshot theta_{t-1} - theta_i now; the training goes on
+            snapshot = {b: self._pseudo_grad(b, own=True) for b in self.fragments[fragment]}
+            future = self._transfer.submit(self._average, fragment, snapshot)
+            self._in_flight.append(_InFlight(step + self.overlap_steps, fragment, future=future))
+            return {}
+        grads, metrics = self._average(fragment)
+        if self.overlap_steps:
+            self._in_flight.append(_InFlight(step + self.overlap_steps, fragment, grads, metrics))
+            return {}
+        self._apply(fragment, grads)
+        return metrics
+
+    def _pseudo_grad(self, b: int, own: bool) -> torch.Tensor:
+        """Bucket b's buffer ([n] float32); with own, filled with theta_{t-1} - theta_i."""
+        params, theta = self.buckets[b], self.global_params[b]
+        buf = self._pseudo_grads[b] if self._pseudo_grads else torch.empty(theta.numel(), device=self.device)
+        if own:
+            torch._foreach_copy_(_views(buf, params), params)  # theta_i
+            torch.sub(theta.to(self.device), buf, out=buf)  # theta_{t-1} - theta_i
+        return buf
+
+    @torch.no_grad()
+    def _average(self, fragment: int, snapshot: dict[int, torch.Tensor] | None = None):
+        """The mean pseudo-gradient of the fragment's buckets over the workers, and the round's metrics."""
         self.meter.begin()
         mean_sq, grads = [], {}
         for b in self.fragments[fragment]:
-            params, sizes, theta = self.buckets[b], self.sizes[b], self.global_params[b]
             owner = b % self.intra.size  # the rank of this worker that all-reduces bucket b
-            pseudo_grad = (  # [n] float32
-                self._pseudo_grads[b]
-                if self._pseudo_grads
-                else torch.empty(theta.numel(), device=self.device)
-            )
+            pseudo_grad = snapshot[b] if snapshot else self._pseudo_grad(b, own=owner == self.intra.rank)
             if owner == self.intra.rank:
-                torch._foreach_copy_(_views(pseudo_grad, params), params)  # theta_i
-                torch.sub(theta.to(self.device), pseudo_grad, out=pseudo_grad)  # theta_{t-1} - theta_i
                 self.meter.observe(b, pseudo_grad)
-                self.averager.average_(pseudo_grad, sizes, key=b)  # 1/W sum_i, pseudo_grad_dtype on the wire
+                self.averager.average_(pseudo_grad, self.sizes[b], key=b)  # 1/W sum_i, pseudo_grad_dtype
             self.intra.broadcast_(pseudo_grad, src=owner, tag="intra_worker")
             mean_sq.append(torch.linalg.vector_norm(pseudo_grad).double().square())  # one pass, no copy
-            grads[b] = pseudo_grad.to(theta.device)
+            grads[b] = pseudo_grad.to(self.global_params[b].device)
         norm = math.sqrt(torch.stack(mean_sq).sum().item())
         if not math.isfinite(norm):  # the same on every rank: all fail together, nothing is applied
             raise FloatingPointError(
                 f"outer step {self.outer_round}: the averaged pseudo-gradient is not finite (training "
                 f"diverged, or the {self.averager.dtype} sum overflowed: try fp16_scaling=true or float32)"
             )
-        if self.overlap_steps:
-            self._in_flight.append(_InFlight(step + self.overlap_steps, fragment, grads))
-        else:
-            self._apply(fragment, grads)
-        return {**self._round_metrics(norm), "outer/fragment": fragment}
+        return grads, {**self._round_metrics(norm), "outer/fragment": fragment}
 
     @torch.no_grad()
     def _apply(self, fragment: int, grads: dict[int, torch.Tensor]) -> None:
@@ -309,12 +350,13 @@ class DiLoCo:
             "outer_round": self.outer_round,
             "total_bytes": self.total_bytes,
             "metric_bytes": self.metric_bytes,
-            "seconds": [self.comm_seconds, self.outer_seconds, self.inner_seconds],
+            "seconds": [self.comm_seconds, self.outer_seconds, self.inner_seconds, self.blocked_seconds],
             "intra_ddp_bytes": self._ddp_bytes(),
             "averager": self.averager.state_dict(),  # int8/int4: the error-feedback residuals
             "peak_bytes": self.peak_bytes,
             "in_flight": [
-                [j.apply_at, j.fragment, {b: g.cpu() for b, g in j.grads.items()}] for j in self._in_flight
+                [j.apply_at, j.fragment, {b: g.cpu() for b, g in j.wait().items()}, j.metrics]
+                for j in self._in_flight
             ],
         }
 
@@ -330,17 +372,23 @@ class DiLoCo:
         self.peak_bytes = int(state.get("peak_bytes", 0))
         home = self.global_params[0].device
         self._in_flight = [
-            _InFlight(int(at), int(f), {int(b): g.to(home, copy=True) for b, g in grads.items()})
-            for at, f, grads in state.get("in_flight", [])
+            _InFlight(
+                int(at), int(f), {int(b): g.to(home, copy=True) for b, g in grads.items()}, dict(metrics)
+            )
+            for at, f, grads, metrics in state.get("in_flight", [])
         ]
         self.outer_round, self.total_bytes = int(state["outer_round"]), int(state["total_bytes"])
         self.metric_bytes = int(state["metric_bytes"])
-        self.comm_seconds, self.outer_seconds, self.inner_seconds = (float(s) for s in state["seconds"])
+        seconds = [float(s) for s in state["seconds"]]
+        self.comm_seconds, self.outer_seconds, self.inner_seconds = seconds[:3]
+        self.blocked_seconds = seconds[3] if len(seconds) > 3 else self.outer_seconds + self.comm_seconds
         if self.inner_strategy is not None:
             self.inner_strategy.total_bytes = int(state["intra_ddp_bytes"])
 
     def summary(self) -> dict[str, float]:
-        wall = self.inner_seconds + self.outer_seconds + self.comm_seconds
+        for job in self._in_flight:  # the counters are final once the transfers are done
+            job.wait()
+        wall = self.inner_seconds + self.blocked_seconds
         return {
             "comm/total_bytes": self.total_bytes,
             "comm/metric_bytes": self.metric_bytes,
@@ -354,7 +402,8 @@ class DiLoCo:
         }
 
     def close(self) -> None:
-        pass
+        if self._transfer is not None:
+            self._transfer.shutdown(wait=True, cancel_futures=True)
 
     def _ddp_bytes(self) -> int:
         return getattr(self.inner_strategy, "total_bytes", 0)
