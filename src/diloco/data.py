@@ -25,7 +25,9 @@ import copy
 import gzip
 import hashlib
 import json
+import os
 import re
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,12 +49,52 @@ class DataError(ValueError):
 # tokenizer
 
 
+def _offline() -> bool:
+    """True when the Hugging Face libraries are told to use the local cache only."""
+    return any(
+        os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE")
+        for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+
+
+def hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the Hugging Face Hub cannot be reached (one TCP connection, no retries), or None when it can.
+    The libraries themselves retry a dead network with backoff for about a minute before failing."""
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return f"{host}:{port} is unreachable ({type(e).__name__}: {e.strerror or e})"
+    return None
+
+
+def _needs_hub(what: str) -> DataError | None:
+    """A DataError naming the cause when `what` must come from the Hub and the Hub is out of reach."""
+    why = "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if _offline() else hub_unreachable()
+    if why is None:
+        return None
+    return DataError(
+        f"{what} needs the Hugging Face Hub and {why}: use data=sample (bundled, offline), "
+        "or download it on a machine with network and run with HF_HUB_OFFLINE=1"
+    )
+
+
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
     if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().exists():
         raise DataError(f"tokenizer path does not exist: {name_or_path}")
-    tok = AutoTokenizer.from_pretrained(name_or_path)
+    local = Path(name_or_path).expanduser().exists()
+    try:  # the cache first: no network needed for a tokenizer that is already here
+        tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=not local)
+    except OSError:
+        if local or (error := _needs_hub(f"tokenizer {name_or_path} (not in the local cache)")) is None:
+            tok = AutoTokenizer.from_pretrained(name_or_path)
+        else:
+            raise error from None
     if tok.pad_token is None:  # Mistral ships no pad token; OpenDiLoCo uses </s>
         tok.pad_token = tok.eos_token
     # Pads go after the text: with causal attention no real token then attends to a pad, positions
@@ -156,6 +198,9 @@ def document_stream(data_cfg: DictConfig, split: str, shard: int = 0, num_shards
     data_files = data_cfg.get("data_files")
     data_files = dict(data_files) if data_files else None
     _check_local_files(data_files)
+    hub = not data_files and not Path(data_cfg.path).exists()  # streamed from the Hub (C4)
+    if hub and (error := _needs_hub(f"data set {data_cfg.path} (streamed)")) is not None:
+        raise error
     ds = load_dataset(
         data_cfg.path, data_cfg.get("config_name"), data_files=data_files, split=split, streaming=True
     )
