@@ -103,6 +103,22 @@ def experiment_names() -> list[str]:
     return sorted(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml"))
 
 
+def help_choices() -> str:
+    """The choices `python -m diloco.train --help` lists, written as they are typed on the command line
+    (Hydra's own list shows `experiment/150m: ddp_1x`, a form the command line does not accept)."""
+    root = _configs_dir()
+    lines = ["experiment=NAME, one paper run each (its file's header says which result and what to expect):"]
+    lines += [f"  experiment={name}" for name in experiment_names()]
+    for group in ("model", "data", "distributed"):
+        names = sorted(p.stem for p in (root / group).glob("*.yaml"))
+        lines.append(f"{group}={'|'.join(names)}")
+    return "\n".join(lines)
+
+
+if not OmegaConf.has_resolver("diloco_help_choices"):  # configs/config.yaml: hydra.help.template
+    OmegaConf.register_new_resolver("diloco_help_choices", help_choices)
+
+
 def check_command_line(args: list[str]) -> str | None:
     """Why these command-line overrides cannot compose, in one line, or None. Hydra itself would
     answer a key the schema lacks with "To append to your config use +key=value", and a `+` then
