@@ -49,12 +49,9 @@ class DataError(ValueError):
 # tokenizer
 
 
-def _offline() -> bool:
-    """True when the Hugging Face libraries are told to use the local cache only."""
-    return any(
-        os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE")
-        for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    )
+def _offline(*variables: str) -> str | None:
+    """The first of these environment variables that tells the Hugging Face libraries to stay offline."""
+    return next((k for k in variables if os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE")), None)
 
 
 def hub_unreachable(timeout: float = 5.0) -> str | None:
@@ -71,9 +68,10 @@ def hub_unreachable(timeout: float = 5.0) -> str | None:
     return None
 
 
-def _needs_hub(what: str) -> DataError | None:
+def _needs_hub(what: str, *offline_variables: str) -> DataError | None:
     """A DataError naming the cause when `what` must come from the Hub and the Hub is out of reach."""
-    why = "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set" if _offline() else hub_unreachable()
+    flag = _offline(*offline_variables)
+    why = f"{flag} is set" if flag else hub_unreachable()
     if why is None:
         return None
     return DataError(
@@ -87,14 +85,17 @@ def load_tokenizer(name_or_path: str):
 
     if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().exists():
         raise DataError(f"tokenizer path does not exist: {name_or_path}")
-    local = Path(name_or_path).expanduser().exists()
-    try:  # the cache first: no network needed for a tokenizer that is already here
-        tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=not local)
-    except OSError:
-        if local or (error := _needs_hub(f"tokenizer {name_or_path} (not in the local cache)")) is None:
+    if Path(name_or_path).expanduser().exists():
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+    else:
+        try:  # the cache first: a tokenizer already here needs no network
+            tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+        except OSError:
+            if (
+                error := _needs_hub(f"tokenizer {name_or_path} (not in the cache)", "HF_HUB_OFFLINE")
+            ) is not None:
+                raise error from None
             tok = AutoTokenizer.from_pretrained(name_or_path)
-        else:
-            raise error from None
     if tok.pad_token is None:  # Mistral ships no pad token; OpenDiLoCo uses </s>
         tok.pad_token = tok.eos_token
     # Pads go after the text: with causal attention no real token then attends to a pad, positions
@@ -199,7 +200,15 @@ def document_stream(data_cfg: DictConfig, split: str, shard: int = 0, num_shards
     data_files = dict(data_files) if data_files else None
     _check_local_files(data_files)
     hub = not data_files and not Path(data_cfg.path).exists()  # streamed from the Hub (C4)
-    if hub and (error := _needs_hub(f"data set {data_cfg.path} (streamed)")) is not None:
+    if (
+        hub
+        and (
+            error := _needs_hub(
+                f"data set {data_cfg.path} (streamed)", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"
+            )
+        )
+        is not None
+    ):
         raise error
     ds = load_dataset(
         data_cfg.path, data_cfg.get("config_name"), data_files=data_files, split=split, streaming=True
