@@ -146,10 +146,27 @@ def check_command_line(args: list[str]) -> str | None:
             continue
         keys = schema_keys()
         parts = key.split(".")
-        if key in keys or any(keys.get(".".join(parts[:i])) for i in range(1, len(parts))):
-            continue
-        return unknown_key_error(key)
+        if not (key in keys or any(keys.get(".".join(parts[:i])) for i in range(1, len(parts)))):
+            return unknown_key_error(key)
+        if parts[0] == "distributed" and len(parts) > 1:  # a key of some mode: of this run's?
+            mode = _mode_of([a for a in overrides if a.partition("=")[0].lstrip("+~") in groups])
+            mode_keys = (
+                _schema_keys(schema.DISTRIBUTED_SCHEMAS.get(mode, object), "distributed.") if mode else {}
+            )
+            if mode and key not in mode_keys and not key.startswith("distributed.retry."):
+                return unknown_key_error(key, list(mode_keys), f"a key of distributed mode {mode}")
     return None
+
+
+def _mode_of(group_choices: list[str]) -> str | None:
+    """distributed.mode of the config these group choices compose (None if they do not compose)."""
+    from hydra import compose, initialize_config_module
+
+    try:
+        with initialize_config_module(config_module="diloco.configs", version_base="1.3"):
+            return compose(config_name="config", overrides=group_choices).distributed.mode
+    except Exception:  # Hydra names a bad choice itself
+        return None
 
 
 def check_batch_split(batch_size: int, micro_batch_size: int, ranks_per_worker: int) -> None:
