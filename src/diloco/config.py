@@ -150,10 +150,8 @@ def check_command_line(args: list[str]) -> str | None:
             return unknown_key_error(key)
         if parts[0] == "distributed" and len(parts) > 1:  # a key of some mode: of this run's?
             mode = _mode_of([a for a in overrides if a.partition("=")[0].lstrip("+~") in groups])
-            mode_keys = (
-                _schema_keys(schema.DISTRIBUTED_SCHEMAS.get(mode, object), "distributed.") if mode else {}
-            )
-            if mode and key not in mode_keys and not key.startswith("distributed.retry."):
+            mode_keys = _schema_keys(schema.DISTRIBUTED_SCHEMAS[mode], "distributed.") if mode else {}
+            if mode and key not in mode_keys:
                 return unknown_key_error(key, list(mode_keys), f"a key of distributed mode {mode}")
     return None
 
