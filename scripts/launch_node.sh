@@ -155,9 +155,10 @@ fi
 mkdir -p "$LOG_DIR"
 echo "# $(date -u +%FT%TZ) $(printf '%q ' "${CMD[@]}")" >> "$LOG"
 # In the background, so that a SIGTERM sent to this script is passed on to the run (a waiting bash
-# would die and leave it running); a Ctrl+C reaches it from the terminal. tee -i keeps logging through
-# the Ctrl+C, so the log and the terminal get the run's last line ("resume with the same command").
-"${CMD[@]}" > >(tee -i -a "$LOG") 2>&1 &
+# would die and leave it running); a Ctrl+C reaches it from the terminal, once (`trap - INT`: a
+# background command would otherwise start with Ctrl+C ignored). tee -i keeps logging through the
+# Ctrl+C, so the log and the terminal get the run's last line ("resume with the same command").
+( trap - INT; exec "${CMD[@]}" ) > >(tee -i -a "$LOG") 2>&1 &
 run=$!
 trap 'kill -TERM "$run" 2>/dev/null || true' TERM
 trap ':' INT

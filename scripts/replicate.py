@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name in names:
                     secs, peak = dry_steps(name, Path(tmp) / name.replace("/", "_"))
                     print(
-                        f"   {name}: 2 real optimizer steps on CPU OK ({secs:.0f} s, peak {peak / 2**30:.1f} GiB)",
+                        f"   {name}: 2 real optimizer steps on CPU OK ({secs:.0f} s, peak {peak / 2**30:.2f} GiB)",
                         flush=True,
                     )
             return 0
