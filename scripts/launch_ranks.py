@@ -23,9 +23,15 @@ STOPPED, USER_ERROR = 130, 2  # the exit codes of diloco.train
 
 
 def _quiet_on_stop(handler):
-    """torchrun's signal handler, after silencing its per-rank "closing signal" warnings."""
+    """torchrun's signal handler, once (a second signal, e.g. SIGTERM to the whole job after the
+    launcher passed one on, would cut torchrun's wait for the ranks' checkpoints short), after
+    silencing its per-rank "closing signal" warnings."""
+    stopping = []
 
     def handle(signum, frame):
+        if stopping:
+            return
+        stopping.append(signum)
         logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
         handler(signum, frame)
 

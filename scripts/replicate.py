@@ -30,7 +30,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from plan import PlanError, compose_experiment, describe, experiments, num_parameters, topology
+from plan import (
+    PlanError,
+    compose_experiment,
+    compose_overrides,
+    describe,
+    experiments,
+    num_parameters,
+    topology,
+)
+
+from diloco.config import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {  # the order runs are started in
@@ -73,11 +83,12 @@ def available_memory() -> int:
 
 # Peak resident memory of one dry-run leg (two fp32 CPU steps, batch 1 x 32 tokens), per parameter of
 # the model, plus what torch, the tokenizer and the data take whatever the model: fitted to the peaks
-# the legs of `make replicate-150m DRY_RUN=1` measured (results/bench/dry_run.md), rounded up.
-# none/ddp: weights, grads, AdamW's two moments (16 bytes) and the autograd temporaries of the step;
-# DiLoCo adds the float32 global copy, the outer momentum and the pseudo-gradient buffers; DumbDiLoCo
-# adds the master's global, momentum and delta and the safetensors files it writes and reads back.
-DRY_RUN_BYTES_PER_PARAM = {"none": 20, "ddp": 20, "diloco": 36, "dumb_diloco": 48}
+# the legs of `make replicate-150m DRY_RUN=1` measured on CPU (results/bench/dry_run.md: ddp 4.1 GiB,
+# diloco 5.5-5.8 GiB, dumb_diloco 13.2 GiB for the 215M-parameter model), rounded up.
+# none/ddp: weights, grads, AdamW's two moments (16 bytes) and the step's temporaries; DiLoCo adds the
+# float32 global copy and the outer momentum; a DumbDiLoCo master adds its global, momentum, deltas and
+# the safetensors files it writes, reads back and hashes.
+DRY_RUN_BYTES_PER_PARAM = {"none": 17, "ddp": 17, "diloco": 26, "dumb_diloco": 62}
 DRY_RUN_BASE_BYTES = 1 << 30
 
 
@@ -113,8 +124,6 @@ def dry_overrides(name: str, out: Path, mode: str) -> list[str]:
         "resume=never",
         "wandb.mode=disabled",
     ]
-    if mode == "none":
-        overrides.append("distributed=none")
     if mode == "diloco":  # one process stands for a whole worker; take an outer step at step 2
         overrides += ["distributed.ranks_per_worker=1", "distributed.inner_steps=2"]
     if mode == "dumb_diloco":  # a master alone on a throwaway directory repo, one boundary
@@ -133,21 +142,22 @@ def dry_overrides(name: str, out: Path, mode: str) -> list[str]:
     return overrides
 
 
-def dry_steps(name: str, out: Path) -> tuple[float, int]:
+def dry_steps(name: str, out: Path) -> tuple[float, int] | None:
     """Two real optimizer steps of the config's real model shape on CPU, the child's output printed as
-    it comes; returns seconds and the child's peak resident bytes."""
+    it comes; returns seconds and the child's peak resident bytes. A leg that needs more memory than
+    this machine has free is validated only (None), and says so."""
     cfg = compose_experiment(name)
     mode = cfg.distributed.mode
     params = num_parameters(cfg.model)
-    need = dry_run_memory(mode, params)
-    if mode not in ("none", "ddp") and need > 0.85 * available_memory():
+    need, free = dry_run_memory(mode, params), available_memory()
+    if need > 0.85 * free:
+        validate(compose_overrides(dry_overrides(name, out, mode)))
         print(
-            f"   {name}: the {mode} leg needs ~{need / 2**30:.1f} GiB, more than this machine has free; "
-            "the 2 steps run the same model and inner optimizer without the outer state",
+            f"   {name}: config valid; its 2 CPU steps ({mode}) need ~{need / 2**30:.1f} GiB and this machine "
+            f"has {free / 2**30:.1f} GiB free: skipped (run the dry run where ~{need / 0.85 / 2**30:.0f} GiB are free)",
             flush=True,
         )
-        mode = "none"
-        need = dry_run_memory(mode, params)
+        return None
     print(f"   {name}: 2 CPU steps ({mode}, ~{need / 2**30:.1f} GiB expected) ...", flush=True)
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("RANK", None)
@@ -277,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             with tempfile.TemporaryDirectory(prefix="diloco-dry-") as tmp:
                 for name in names:
-                    secs, peak = dry_steps(name, Path(tmp) / name.replace("/", "_"))
+                    measured = dry_steps(name, Path(tmp) / name.replace("/", "_"))
+                    if measured is None:
+                        continue
+                    secs, peak = measured
                     print(
                         f"   {name}: 2 real optimizer steps on CPU OK ({secs:.0f} s, peak {peak / 2**30:.2f} GiB)",
                         flush=True,
@@ -294,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for name in names:
             run_cluster(name, hosts, args.port)
-    except (PlanError, RuntimeError, subprocess.CalledProcessError) as e:
+    except (PlanError, ConfigError, RuntimeError, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
