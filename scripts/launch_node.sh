@@ -158,10 +158,11 @@ echo "# $(date -u +%FT%TZ) $(printf '%q ' "${CMD[@]}")" >> "$LOG"
 # would die and leave it running); a Ctrl+C reaches it from the terminal, once (`trap - INT`: a
 # background command would otherwise start with Ctrl+C ignored). tee -i keeps logging through the
 # Ctrl+C, so the log and the terminal get the run's last line ("resume with the same command").
+run=""
+trap '[[ -z $run ]] || kill -TERM "$run" 2>/dev/null || true' TERM
+trap ':' INT
 ( trap - INT; exec "${CMD[@]}" ) > >(tee -i -a "$LOG") 2>&1 &
 run=$!
-trap 'kill -TERM "$run" 2>/dev/null || true' TERM
-trap ':' INT
 while :; do
   wait "$run" || true
   kill -0 "$run" 2>/dev/null || break
