@@ -38,9 +38,18 @@ def _quiet_on_stop(handler):
     return handle
 
 
+class _ExpectedExits(logging.Filter):
+    """Drops torchrun's "failed (exitcode: 130|2) local_rank: ..." line: the rank said why itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        expected = str(record.msg).startswith("failed (exitcode") and record.args
+        return not (expected and record.args[0] in (STOPPED, USER_ERROR))
+
+
 def main(argv: list[str] | None = None) -> int:
     # looked up when torchrun starts the ranks (PContext.start), so replacing it here is enough
     api._terminate_process_handler = _quiet_on_stop(api._terminate_process_handler)
+    logging.getLogger(api.__name__).addFilter(_ExpectedExits())
     args = torchrun.parse_args(argv)
     try:
         torchrun.run(args)
