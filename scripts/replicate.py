@@ -13,7 +13,9 @@ DumbDiLoCo runs need REPO_ID (a Hub repo org/name with HF_TOKEN set on every nod
 
 --dry-run resolves every config, prints the plan (nodes, commands, tokens, bytes per worker) and
 takes two real optimizer steps of each config's real model shape on CPU (batch 1, 32 tokens,
-the bundled sample in place of C4), so a broken config is caught before a GPU hour is spent.
+the bundled sample in place of C4; DumbDiLoCo as a lone master polling every second), so a broken
+config is caught before a GPU hour is spent. Each leg's own output is printed as it comes, then its
+time and peak memory; a leg that needs more memory than is free is validated and skipped, saying so.
 """
 
 from __future__ import annotations
