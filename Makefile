@@ -11,6 +11,8 @@ export OMP_NUM_THREADS ?= 2
 DRY_RUN ?= 0
 DRY := $(if $(filter 1,$(DRY_RUN)),--dry-run,)
 FAMILY ?= tiny
+RUNS ?= runs
+FORCE ?= 0
 NODES_FILE ?= configs/local/nodes.txt
 export NODES_FILE
 
@@ -72,8 +74,8 @@ test-gpu: setup  ## the CUDA tests: bf16 eager and compiled steps, resume, DumbD
 
 replicate-tiny: setup  ## the whole CPU-scale family here (~20 min on 2 cores), then its report and check
 	$(PY) scripts/replicate.py --family tiny
-	$(PY) scripts/report.py --family tiny
-	$(PY) scripts/check.py --family tiny
+	$(PY) scripts/report.py --family tiny --runs runs
+	$(PY) scripts/check.py --family tiny --runs runs
 
 replicate-150m: setup  ## all 150M runs of the paper, in order, on the GPU nodes in NODES_FILE (DRY_RUN=1: plan + 2 CPU steps each)
 	$(PY) scripts/replicate.py --family 150m $(DRY)
@@ -87,11 +89,11 @@ ablation-fp16: setup  ## the FP16 vs FP32 pseudo-gradient runs (4 and 8 workers,
 sweep-tiny: setup  ## the outer lr / momentum / H sweep behind the tiny family's DiLoCo settings
 	$(PY) scripts/sweep_tiny.py
 
-report: setup  ## results/$(FAMILY)/report.md with plots, and a W&B report when online (FAMILY=tiny|150m|1b)
-	$(PY) scripts/report.py --family $(FAMILY)
+report: setup  ## a new dated record results/$(FAMILY)-<date>/ of RUNS (report.md, plots, summaries.json; OUT=dir, FORCE=1 to replace)
+	$(PY) scripts/report.py --family $(FAMILY) --runs $(RUNS) $(if $(OUT),--out $(OUT),) $(if $(filter 1,$(FORCE)),--force,)
 
-check: setup  ## judge finished runs in runs/ against the paper (results/reference.yaml); non-zero on a miss
-	$(PY) scripts/check.py
+check: setup  ## judge RUNS (default runs/; or a record, RUNS=results/tiny) against the paper; non-zero on a miss or nothing to judge
+	$(PY) scripts/check.py --runs $(RUNS)
 
 clean:  ## remove runs and caches (keeps .venv)
 	rm -rf runs outputs multirun .pytest_cache .ruff_cache

@@ -1,9 +1,11 @@
 """`make check`: judge finished runs against the paper (results/reference.yaml).
 
     python scripts/check.py [--runs runs] [--family tiny] [--family 150m]
+    python scripts/check.py --runs results/tiny      # a committed record, judged again from its summaries
 
 Prints run / expected / measured / delta / verdict and exits 1 when a finished run or claim is outside
-its tolerance (runs still missing or unfinished are PENDING and do not fail the check).
+its tolerance (runs still missing or unfinished are PENDING and do not fail the check), and when there
+is nothing to judge (no run, or every verdict PENDING): a CI job never passes on an empty folder.
 """
 
 from __future__ import annotations
@@ -23,14 +25,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     verdicts = check(args.runs, args.family, args.reference)
     if not verdicts:
-        print(f"no runs with a reference under {args.runs}/ (run make replicate-tiny or a paper run first)")
-        return 0
+        print(
+            f"error: nothing to judge: no finished run with a reference under {args.runs}/ "
+            "(run make replicate-tiny or a paper run first, or RUNS=results/tiny for the committed record)",
+            file=sys.stderr,
+        )
+        return 1
     print(markdown_table(verdicts))
     failed = [v.id for v in verdicts if v.verdict == "FAIL"]
     pending = [v.id for v in verdicts if v.verdict == "PENDING"]
     print(
         f"\n{len(verdicts) - len(failed) - len(pending)} passed, {len(failed)} failed, {len(pending)} pending"
     )
+    if len(pending) == len(verdicts):
+        print(f"error: nothing to judge: every check under {args.runs}/ is pending", file=sys.stderr)
+        return 1
     return 1 if failed else 0
 
 

@@ -15,15 +15,22 @@ Starts this node's part of an experiment (configs/experiment/NAME.yaml):
 Options (each also read from the environment variable in brackets):
   --experiment NAME    e.g. 150m/diloco_8w_h500, 1b/ddp, tiny/diloco_fp32          [EXPERIMENT]
   --node-rank R        this node's rank, 0..nodes-1 (default 0; SLURM_NODEID if set) [NODE_RANK]
+  --nodes N            run on N nodes instead of the experiment's launch.nodes (e.g. 150m/ddp_1x on 2
+                       nodes; the same as `-- launch.nodes=N`)                    [NODES]
   --rdzv HOST:PORT     rendezvous endpoint = node 0 (required when nodes > 1)       [RDZV_ENDPOINT]
   --role ROLE          DumbDiLoCo: master | worker                                  [ROLE]
   --node-id ID         DumbDiLoCo: unique, path-safe node id                        [NODE_ID]
   --repo-id REPO       DumbDiLoCo: org/name (Hub, needs HF_TOKEN) or /shared/path    [REPO_ID]
-  --shard I            DumbDiLoCo: this node's data shard (0..nodes-1)              [SHARD]
+  --shard I            DumbDiLoCo: this node's data shard, 0..nodes-1 (the master's is 0); a worker
+                       needs it, or --node-rank I, which it then equals             [SHARD]
   --cpu                run on CPU with gloo (the tiny family; no GPU check)         [CPU=1]
-  --dry-run            print what would run, start nothing                          [DRY_RUN=1]
+  --dry-run            check the config as the real run would, print what would run, start nothing
+                                                                                    [DRY_RUN=1]
   -h, --help           this text
 
+The config (experiment, options and the overrides after --) is validated before anything starts; a
+refusal is one line and exit 2. Ctrl+C or SIGTERM: every rank finishes its step, writes a checkpoint
+and the launch exits 130; run the same command again to resume.
 Logs go to <out_dir>/<run_name>/launch-node<R>.log as well as the terminal.
 EOF
 }
@@ -34,13 +41,15 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 [[ -x $PY ]] || PY=python3
 
-EXPERIMENT=${EXPERIMENT:-}; NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}; RDZV_ENDPOINT=${RDZV_ENDPOINT:-}
+EXPERIMENT=${EXPERIMENT:-}; RDZV_ENDPOINT=${RDZV_ENDPOINT:-}; NODES=${NODES:-}
+NODE_RANK_GIVEN=${NODE_RANK:+1}${SLURM_NODEID:+1}; NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
 ROLE=${ROLE:-}; NODE_ID=${NODE_ID:-}; REPO_ID=${REPO_ID:-}; SHARD=${SHARD:-}
 CPU=${CPU:-0}; DRY_RUN=${DRY_RUN:-0}; EXTRA=()
 while [[ $# -gt 0 ]]; do
   case $1 in
     --experiment) EXPERIMENT=${2:?}; shift 2 ;;
-    --node-rank) NODE_RANK=${2:?}; shift 2 ;;
+    --node-rank) NODE_RANK=${2:?}; NODE_RANK_GIVEN=1; shift 2 ;;
+    --nodes) NODES=${2:?}; shift 2 ;;
     --rdzv) RDZV_ENDPOINT=${2:?}; shift 2 ;;
     --role) ROLE=${2:?}; shift 2 ;;
     --node-id) NODE_ID=${2:?}; shift 2 ;;
@@ -55,6 +64,10 @@ while [[ $# -gt 0 ]]; do
 done
 
 [[ -n $EXPERIMENT ]] || die "--experiment is required (see --help)"
+if [[ -n $NODES ]]; then
+  [[ $NODES =~ ^[1-9][0-9]*$ ]] || die "--nodes must be a positive number, got '$NODES'"
+  EXTRA=("launch.nodes=$NODES" "${EXTRA[@]}")
+fi
 vars=$("$PY" scripts/plan.py vars "$EXPERIMENT" "${EXTRA[@]}" 2>&1) || die "${vars#error: }"
 eval "$vars"
 [[ $NODE_RANK =~ ^[0-9]+$ ]] || die "--node-rank must be a number, got '$NODE_RANK'"
@@ -63,6 +76,7 @@ eval "$vars"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / EXP_GPUS_PER_NODE > 0 ? $(nproc) / EXP_GPUS_PER_NODE : 1 ))}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}  # a dead rank fails the job, not hangs it
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}  # a stopped rank's last step + checkpoint
 export TOKENIZERS_PARALLELISM=false
 
 if [[ $CPU == 1 ]]; then
@@ -87,11 +101,20 @@ if [[ $EXP_MODE == dumb_diloco ]]; then
     [[ -n ${HF_TOKEN:-} || -f ${HF_TOKEN_PATH:-${HF_HOME:-$HOME/.cache/huggingface}/token} ]] \
       || die "repo $REPO_ID is on the Hugging Face Hub: set HF_TOKEN (a write token of a dedicated account)"
   fi
-  SHARD=${SHARD:-$NODE_RANK}
+  # the node's data shard and its label (launch-node<R>.log) are one number: given, or the node rank
+  if [[ -z $SHARD ]]; then
+    [[ $ROLE == master || -n $NODE_RANK_GIVEN ]] \
+      || die "a DumbDiLoCo worker needs its data shard: --shard I (1..$((EXP_WORKERS - 1)); the master's is 0) or --node-rank I"
+    SHARD=$NODE_RANK
+  fi
+  [[ $SHARD =~ ^[0-9]+$ ]] || die "--shard must be a number, got '$SHARD'"
+  (( SHARD < EXP_WORKERS )) || die "--shard $SHARD is outside 0..$((EXP_WORKERS - 1)) for $EXPERIMENT ($EXP_WORKERS nodes)"
+  [[ -n $NODE_RANK_GIVEN ]] || NODE_RANK=$SHARD
   RUN_NAME=$EXP_RUN_NAME-$NODE_ID
-  CMD=("$PY" -m diloco.train "experiment=$EXPERIMENT" "$DEVICE" "run_name=$RUN_NAME"
+  TRAIN_ARGS=("experiment=$EXPERIMENT" "$DEVICE" "run_name=$RUN_NAME"
        "distributed.role=$ROLE" "distributed.node_id=$NODE_ID" "distributed.repo_id=$REPO_ID"
        "data.shard=$SHARD" "data.num_shards=$EXP_WORKERS" "${EXTRA[@]}")
+  CMD=("$PY" -m diloco.train "${TRAIN_ARGS[@]}")
 else
   (( NODE_RANK < EXP_NODES )) || die "--node-rank $NODE_RANK is outside 0..$((EXP_NODES - 1)) for $EXPERIMENT"
   if (( EXP_NODES > 1 )); then
@@ -112,18 +135,38 @@ else
   else
     RDZV=(--standalone)  # one node: torchrun picks a free local port
   fi
-  CMD=("$PY" -m torch.distributed.run --nnodes "$EXP_NODES" --nproc_per_node "$EXP_GPUS_PER_NODE" "${RDZV[@]}"
-       -m diloco.train "experiment=$EXPERIMENT" "$DEVICE" "${EXTRA[@]}")
+  TRAIN_ARGS=("experiment=$EXPERIMENT" "$DEVICE" "${EXTRA[@]}")
+  # torchrun, ending in 130 on Ctrl+C/SIGTERM and 2 on a user error, without its tracebacks
+  CMD=("$PY" scripts/launch_ranks.py --nnodes "$EXP_NODES" --nproc_per_node "$EXP_GPUS_PER_NODE" "${RDZV[@]}"
+       -m diloco.train "${TRAIN_ARGS[@]}")
 fi
+# the trainer's own validation, before a log folder or a process exists (the dry run included)
+notes=$("$PY" scripts/plan.py check "${TRAIN_ARGS[@]}" 2>&1) || die "${notes#error: }"
+[[ -z $notes ]] || echo "$notes" >&2
 
 LOG_DIR=$EXP_OUT_DIR/$RUN_NAME
 LOG=$LOG_DIR/launch-node$NODE_RANK.log
 if [[ $DRY_RUN == 1 ]]; then
-  echo "# $EXPERIMENT: mode $EXP_MODE, $EXP_NODES node(s) x $EXP_GPUS_PER_NODE, this is node $NODE_RANK; log $LOG"
+  role=""; [[ $EXP_MODE != dumb_diloco ]] || role=" ($ROLE $NODE_ID, data shard $SHARD of $EXP_WORKERS)"
+  echo "# $EXPERIMENT: mode $EXP_MODE, $EXP_NODES node(s) x $EXP_GPUS_PER_NODE, this is node $NODE_RANK$role; log $LOG"
   echo "OMP_NUM_THREADS=$OMP_NUM_THREADS TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING NCCL_DEBUG=$NCCL_DEBUG $(printf '%q ' "${CMD[@]}")"
   exit 0
 fi
 mkdir -p "$LOG_DIR"
 echo "# $(date -u +%FT%TZ) $(printf '%q ' "${CMD[@]}")" >> "$LOG"
-"${CMD[@]}" 2>&1 | tee -a "$LOG"
-exit "${PIPESTATUS[0]}"
+# In the background, so that a SIGTERM sent to this script is passed on to the run (a waiting bash
+# would die and leave it running); a Ctrl+C reaches it from the terminal, once (`trap - INT`: a
+# background command would otherwise start with Ctrl+C ignored). tee -i keeps logging through the
+# Ctrl+C, so the log and the terminal get the run's last line ("resume with the same command").
+run=""
+trap '[[ -z $run ]] || kill -TERM "$run" 2>/dev/null || true' TERM
+trap ':' INT
+( trap - INT; exec "${CMD[@]}" ) > >(tee -i -a "$LOG") 2>&1 &
+run=$!
+while :; do
+  wait "$run" || true
+  kill -0 "$run" 2>/dev/null || break
+done
+wait "$run" && code=0 || code=$?  # the run's own exit status (130 after a stop), kept by bash
+wait || true                      # tee's last lines
+exit "$code"

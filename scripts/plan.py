@@ -1,6 +1,7 @@
 """Launch plans of experiment configs: topology, tokens, communication volume, the commands per node.
 
     python scripts/plan.py vars 150m/diloco_8w_h500          # shell variables for scripts/launch_node.sh
+    python scripts/plan.py check experiment=150m/ddp_8x ...  # validate a run's overrides as the trainer will
     python scripts/plan.py show 150m/diloco_8w_h500 [...]    # the human-readable plan
 
 Communication volume is analytic and counts the payload each worker puts on the wire per collective
@@ -37,11 +38,43 @@ def compose_experiment(name: str, overrides: list[str] = ()) -> DictConfig:
     if name not in experiments():
         known = ", ".join(experiments())
         raise PlanError(f"unknown experiment {name!r}; known: {known}")
+    return compose_overrides([f"experiment={name}", *overrides])
+
+
+def compose_overrides(overrides: list[str]) -> DictConfig:
+    """The config `python -m diloco.train <overrides>` composes; any refusal is one line (PlanError)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     import diloco.assets  # noqa: F401  (registers the ${diloco_asset:...} resolver)
     import diloco.schema  # noqa: F401  (registers the structured configs)
+    from diloco.config import check_command_line
 
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return compose(config_name="config", overrides=[f"experiment={name}", *overrides])
+    if (error := check_command_line(list(overrides))) is not None:
+        raise PlanError(error)
+    try:
+        with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise PlanError(" ".join(str(e).split())) from None
+
+
+def check_run(overrides: list[str]) -> str | None:
+    """Validate `python -m diloco.train <overrides>` as the trainer will before it builds anything
+    (the same `validate`, and the batch split over the ranks the launch gives each worker); returns
+    the trainer's notice about the schedule, if any. Raises PlanError with the trainer's line."""
+    from diloco.config import ConfigError, check_batch_split, schedule_notice, validate
+
+    cfg = compose_overrides(overrides)
+    topo = topology(cfg)
+    try:
+        validate(cfg)
+        check_batch_split(
+            cfg.train.batch_size, cfg.train.micro_batch_size, topo["world_size"] // topo["workers"]
+        )
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
+    return schedule_notice(cfg)
 
 
 def num_parameters(model_cfg) -> int:
@@ -140,8 +173,12 @@ def describe(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["vars", "show", "list"])
-    p.add_argument("experiments", nargs="*", help="experiment names (vars: one name, then hydra overrides)")
+    p.add_argument("what", choices=["vars", "check", "show", "list"])
+    p.add_argument(
+        "experiments",
+        nargs="*",
+        help="experiment names (vars: one name, then hydra overrides; check: the trainer's overrides)",
+    )
     p.add_argument("--family")
     args = p.parse_args(argv)
     try:
@@ -149,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(experiments(args.family)))
         elif args.what == "vars":
             print(shell_vars(args.experiments[0], args.experiments[1:]))
+        elif args.what == "check":
+            if notice := check_run(args.experiments):
+                print(f"note: {notice}", file=sys.stderr)
         else:
             for name in args.experiments or experiments(args.family):
                 print(describe(name))

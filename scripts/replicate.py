@@ -13,12 +13,15 @@ DumbDiLoCo runs need REPO_ID (a Hub repo org/name with HF_TOKEN set on every nod
 
 --dry-run resolves every config, prints the plan (nodes, commands, tokens, bytes per worker) and
 takes two real optimizer steps of each config's real model shape on CPU (batch 1, 32 tokens,
-the bundled sample in place of C4), so a broken config is caught before a GPU hour is spent.
+the bundled sample in place of C4; DumbDiLoCo as a lone master polling every second), so a broken
+config is caught before a GPU hour is spent. Each leg's own output is printed as it comes, then its
+time and peak memory; a leg that needs more memory than is free is validated and skipped, saying so.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shlex
@@ -29,7 +32,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from plan import PlanError, compose_experiment, describe, experiments, num_parameters, topology
+from plan import (
+    PlanError,
+    compose_experiment,
+    compose_overrides,
+    describe,
+    experiments,
+    num_parameters,
+    topology,
+)
+
+from diloco.config import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {  # the order runs are started in
@@ -70,9 +83,26 @@ def available_memory() -> int:
     return 1 << 62
 
 
-def dry_steps(name: str, out: Path) -> float:
-    """Two real optimizer steps of the config's real model shape on CPU; returns seconds."""
-    cfg = compose_experiment(name)
+# Peak resident memory of one dry-run leg (two fp32 CPU steps, batch 1 x 32 tokens), per parameter of
+# the model, plus what torch, the tokenizer and the data take whatever the model: fitted to the peaks
+# the legs of `make replicate-150m DRY_RUN=1` measured on CPU (results/bench/dry_run.md: ddp 4.1 GiB,
+# diloco 5.5-5.8 GiB, dumb_diloco 13.2 GiB for the 215M-parameter model), rounded up.
+# none/ddp: weights, grads, AdamW's two moments (16 bytes) and the step's temporaries; DiLoCo adds the
+# float32 global copy and the outer momentum; a DumbDiLoCo master adds its global, momentum, deltas and
+# the safetensors files it writes, reads back and hashes.
+DRY_RUN_BYTES_PER_PARAM = {"none": 17, "ddp": 17, "diloco": 26, "dumb_diloco": 62}
+DRY_RUN_BASE_BYTES = 1 << 30
+
+
+def dry_run_memory(mode: str, params: int) -> int:
+    """The estimated peak resident bytes of a dry-run leg (see DRY_RUN_BYTES_PER_PARAM)."""
+    return DRY_RUN_BASE_BYTES + params * DRY_RUN_BYTES_PER_PARAM[mode]
+
+
+def dry_overrides(name: str, out: Path, mode: str) -> list[str]:
+    """Two real optimizer steps of the config's real model shape on CPU, seconds not minutes: batch 1 of
+    32 tokens from the bundled sample, a schedule of two steps, and for DumbDiLoCo a lone master that
+    polls every second and does not wait for late deltas (drain_seconds=0)."""
     overrides = [
         f"experiment={name}",
         "device=cpu",
@@ -82,6 +112,8 @@ def dry_steps(name: str, out: Path) -> float:
         "train.batch_size=1",
         "train.micro_batch_size=1",
         "train.max_steps=2",
+        "optim.total_steps=2",
+        "optim.warmup_steps=1",
         "train.eval_every=0",
         "train.checkpoint_every=0",
         "train.checkpoint_at_end=false",
@@ -94,18 +126,6 @@ def dry_steps(name: str, out: Path) -> float:
         "resume=never",
         "wandb.mode=disabled",
     ]
-    mode = cfg.distributed.mode
-    params = num_parameters(cfg.model)
-    need = params * (
-        16 if mode in ("none", "ddp") else 28
-    )  # fp32 weights+grads+AdamW (+ global copy, momentum, delta)
-    if mode not in ("none", "ddp") and need > 0.85 * available_memory():
-        print(
-            f"   {name}: weights + AdamW + the {mode} outer state need ~{need / 2**30:.0f} GiB, more than this "
-            "machine has free; the 2 steps run the same model and inner optimizer without the outer state"
-        )
-        overrides.append("distributed=none")
-        mode = "none"
     if mode == "diloco":  # one process stands for a whole worker; take an outer step at step 2
         overrides += ["distributed.ranks_per_worker=1", "distributed.inner_steps=2"]
     if mode == "dumb_diloco":  # a master alone on a throwaway directory repo, one boundary
@@ -113,21 +133,55 @@ def dry_steps(name: str, out: Path) -> float:
             "distributed.role=master",
             "distributed.node_id=dry-run",
             f"distributed.repo_id={out}/repo",
+            f"distributed.state_dir={out}/state",
             "distributed.inner_steps=2",
+            "distributed.poll_interval=1",
+            "distributed.drain_seconds=0",
+            "distributed.lease_seconds=0",
             "data.shard=0",
             "data.num_shards=1",
         ]
-    env = {**os.environ, "WANDB_MODE": "disabled", "HF_DATASETS_OFFLINE": "1"}
+    return overrides
+
+
+def dry_steps(name: str, out: Path) -> tuple[float, int] | None:
+    """Two real optimizer steps of the config's real model shape on CPU, the child's output printed as
+    it comes; returns seconds and the child's peak resident bytes. A leg that needs more memory than
+    this machine has free is validated only (None), and says so."""
+    cfg = compose_experiment(name)
+    mode = cfg.distributed.mode
+    params = num_parameters(cfg.model)
+    need, free = dry_run_memory(mode, params), available_memory()
+    if need > 0.85 * free:
+        validate(compose_overrides(dry_overrides(name, out, mode)))
+        print(
+            f"   {name}: config valid; its 2 CPU steps ({mode}) need ~{need / 2**30:.1f} GiB and this machine "
+            f"has {free / 2**30:.1f} GiB free: skipped (run the dry run where ~{need / 0.85 / 2**30:.0f} GiB are free)",
+            flush=True,
+        )
+        return None
+    print(f"   {name}: 2 CPU steps ({mode}, ~{need / 2**30:.1f} GiB expected) ...", flush=True)
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_DATASETS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     t0 = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-m", "diloco.train", *overrides], cwd=ROOT, env=env, capture_output=True, text=True
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diloco.train", *dry_overrides(name, out, mode)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
+    tail: collections.deque[str] = collections.deque(maxlen=5)
+    for line in proc.stdout:
+        tail.append(line.rstrip())
+        print(f"     | {line.rstrip()}", flush=True)
+    _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak memory (ru_maxrss: KiB on Linux)
+    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
-        raise RuntimeError(f"{name}: two CPU steps failed (exit {proc.returncode}):\n{tail}")
-    return time.time() - t0
+        raise RuntimeError(f"{name}: two CPU steps failed (exit {proc.returncode}):\n" + "\n".join(tail))
+    return time.time() - t0, usage.ru_maxrss * 1024
 
 
 def ssh_commands(name: str, hosts: list[str], port: int) -> list[tuple[str, str]]:
@@ -235,8 +289,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             with tempfile.TemporaryDirectory(prefix="diloco-dry-") as tmp:
                 for name in names:
-                    secs = dry_steps(name, Path(tmp) / name.replace("/", "_"))
-                    print(f"   {name}: 2 real optimizer steps on CPU OK ({secs:.0f} s)", flush=True)
+                    measured = dry_steps(name, Path(tmp) / name.replace("/", "_"))
+                    if measured is None:
+                        continue
+                    secs, peak = measured
+                    print(
+                        f"   {name}: 2 real optimizer steps on CPU OK ({secs:.0f} s, peak {peak / 2**30:.2f} GiB)",
+                        flush=True,
+                    )
             return 0
         if args.family == "tiny":
             for name in names:
@@ -249,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for name in names:
             run_cluster(name, hosts, args.port)
-    except (PlanError, RuntimeError, subprocess.CalledProcessError) as e:
+    except (PlanError, ConfigError, RuntimeError, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

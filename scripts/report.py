@@ -1,11 +1,15 @@
 """`make report`: a family's runs as a Markdown report with PNG plots, plus a W&B report when online.
 
-    python scripts/report.py --family tiny [--runs runs] [--out results/tiny]
+    python scripts/report.py --family tiny [--runs runs] [--out results/tiny-<date>] [--force]
 
-Writes <out>/report.md (the claim table of `make check`, a table of runs, the plots) and
-<out>/*.png: eval perplexity vs step, vs tokens and vs bytes communicated, the FP16 cast error per
-outer round, and compute utilization. With W&B online (and `wandb-workspaces` installed) it also
-builds a W&B report of the family's group and prints its URL; offline it says so.
+Writes <out>/report.md (the claim table of `make check`, a table of runs, the plots), <out>/*.png:
+eval perplexity vs step, vs tokens and vs bytes communicated, the FP16 cast error per outer round,
+and compute utilization (a plot with no data, e.g. bytes when no run communicates, is left out), and
+<out>/summaries.json, the record: each run's summary and the metric records its verdicts come from,
+so `make check RUNS=<out>` judges it again with the same verdicts. The default <out> is a new dated
+folder, results/<family>-<UTC date>; a folder that already holds a report is never replaced unless
+--force is given (committed records, e.g. results/tiny, stay as they were made). With W&B online (and
+`wandb-workspaces` installed) it also builds a W&B report of the family's group and prints its URL.
 """
 
 from __future__ import annotations
@@ -20,12 +24,22 @@ import sys
 from pathlib import Path
 
 import matplotlib
+import yaml
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from diloco.metrics import wandb_mode  # noqa: E402
-from diloco.replication import REFERENCE, Run, by_reference, check, load_runs, markdown_table  # noqa: E402
+from diloco.replication import (  # noqa: E402
+    RECORD,
+    REFERENCE,
+    Run,
+    by_reference,
+    check,
+    judged_records,
+    load_runs,
+    markdown_table,
+)
 
 
 def _label(run: Run) -> str:
@@ -46,6 +60,15 @@ def _bytes_at(run: Run, step: int) -> float:
     return best
 
 
+PLOTS = (  # every file a report may draw
+    "eval_vs_step.png",
+    "eval_vs_tokens.png",
+    "eval_vs_bytes.png",
+    "fp16_cast_error.png",
+    "compute_utilization.png",
+)
+
+
 def plot_eval(runs: list[Run], out: Path) -> list[str]:
     files = []
     for name, xlabel, xfun, logx in (
@@ -53,13 +76,18 @@ def plot_eval(runs: list[Run], out: Path) -> list[str]:
         ("eval_vs_tokens.png", "tokens processed (all workers)", lambda r, s: s * _tokens_per_step(r), False),
         ("eval_vs_bytes.png", "bytes communicated per worker", _bytes_at, True),
     ):
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        series = []
         for run in runs:
             pts = [(xfun(run, s), p) for s, p in run.evals() if s > 0]
             if logx:
                 pts = [(x, p) for x, p in pts if x > 0]
             if pts:
-                ax.plot(*zip(*pts), marker=".", label=_label(run))
+                series.append((run, pts))
+        if not series:  # e.g. bytes when no run communicates: no empty plot with made-up axes
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for run, pts in series:
+            ax.plot(*zip(*pts), marker=".", label=_label(run))
         ax.set_xlabel(xlabel)
         ax.set_ylabel("held-out perplexity")
         if logx:
@@ -182,18 +210,34 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", required=True)
     p.add_argument("--runs", type=Path, default=Path("runs"))
-    p.add_argument("--out", type=Path, default=None, help="default: results/<family>")
+    p.add_argument("--out", type=Path, default=None, help="default: results/<family>-<UTC date>")
+    p.add_argument("--force", action="store_true", help="replace the report already in --out")
     p.add_argument("--reference", type=Path, default=REFERENCE)
     args = p.parse_args(argv)
-    out = args.out or Path("results") / args.family
-    out.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.timezone.utc)
+    out = args.out or Path("results") / f"{args.family}-{now:%Y-%m-%d}"
+    if (out / "report.md").exists() or (out / RECORD).exists():
+        if not args.force:
+            print(
+                f"error: {out}/ already holds a report (a record is never replaced silently): "
+                "choose another --out, or --force to replace it",
+                file=sys.stderr,
+            )
+            return 1
+        if out.resolve() == Path(args.runs).resolve():
+            print(f"error: {out}/ is the record being reported: choose another --out", file=sys.stderr)
+            return 1
+        for old in [out / "report.md", out / RECORD, *(out / name for name in PLOTS)]:
+            old.unlink(missing_ok=True)  # no plot of the old report left beside the new ones
     runs = sorted(
         (r for r in by_reference(load_runs(args.runs)).values() if r.family == args.family),
         key=lambda r: r.reference or "",
     )
     if not runs:
-        print(f"no runs of family {args.family!r} under {args.runs}/", file=sys.stderr)
+        print(f"error: no runs of family {args.family!r} under {args.runs}/", file=sys.stderr)
         return 1
+    out.mkdir(parents=True, exist_ok=True)
+    window = yaml.safe_load(args.reference.read_text()).get("train_window", 0.02)
     verdicts = check(args.runs, [args.family], args.reference)
     plots = plot_eval(runs, out)
     for key, name, ylabel, logy in (
@@ -208,8 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     md = [
         f"# Replication report: `{args.family}`",
         "",
-        f"Written {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M UTC} by `python scripts/report.py --family "
-        f"{args.family}` at commit {_commit()} on {platform.node()} ({platform.processor() or platform.machine()},"
+        f"Written {now:%Y-%m-%d %H:%M UTC} by `python scripts/report.py --family "
+        f"{args.family} --runs {args.runs}` at commit {_commit()} on {platform.node()} ({platform.processor() or platform.machine()},"
         f" {os.cpu_count()} cores). Runs were produced at commit(s): {', '.join(commits)}.",
         "",
         "## Checks against the paper (`make check`)",
@@ -231,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "summaries.json").write_text(
         json.dumps(
             {
-                _label(r): {k: v for k, v in r.summary.items() if k != "config"} | {"config": r.config}
+                _label(r): {k: v for k, v in r.summary.items() if k != "config"}
+                | {"config": r.config, "records": judged_records(r, window)}
                 for r in runs
             },
             indent=1,

@@ -10,11 +10,17 @@ the cross-field rules; every problem is one readable line naming the key (Config
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import os
+import sys
+import typing
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from diloco import schema
 from diloco.assets import register_resolvers  # noqa: F401  (configs use ${diloco_asset:...})
@@ -27,6 +33,168 @@ DUMB_DILOCO_ROLES = ("master", "worker", "single")
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key and the problem."""
+
+
+def print_error(message: str, *, every_rank: bool = False) -> None:
+    """`error: message` on stderr. Under torchrun every rank finds the same config error: only rank 0
+    prints it, unless `every_rank` (an error that may be one rank's own, e.g. its data shard)."""
+    if every_rank or os.environ.get("RANK", "0") == "0":
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def _schema_keys(node_type: type, prefix: str) -> dict[str, bool]:
+    """Every dotted key below `node_type` -> whether anything may go below it (an Any value)."""
+    hints = typing.get_type_hints(node_type)
+    keys: dict[str, bool] = {}
+    for f in dataclasses.fields(node_type):
+        t, key = hints[f.name], prefix + f.name
+        if dataclasses.is_dataclass(t):
+            keys[key] = False
+            keys.update(_schema_keys(t, key + "."))
+        elif node_type is schema.Config and f.name == "distributed":  # typed by the mode: any mode's key
+            keys[key] = False
+            for mode_type in schema.DISTRIBUTED_SCHEMAS.values():
+                keys.update(_schema_keys(mode_type, key + "."))
+        else:
+            keys[key] = t is Any or Any in typing.get_args(t)
+    return keys
+
+
+@cache
+def schema_keys() -> dict[str, bool]:
+    return _schema_keys(schema.Config, "")
+
+
+def nearest_key(key: str, candidates: list[str]) -> str | None:
+    """The candidate a typo most likely meant: the closest last part (`max_step` -> `max_steps`,
+    `nnodes` -> `launch.nodes`), ties going to the same block; None when nothing is close."""
+    block, _, leaf = key.rpartition(".")
+    best, best_score = None, 0.0
+    for c in candidates:
+        c_block, _, c_leaf = c.rpartition(".")
+        score = difflib.SequenceMatcher(None, leaf, c_leaf).ratio() + 0.1 * (c_block == block)
+        score += 0.05 * difflib.SequenceMatcher(None, key, c).ratio()
+        if score > best_score:
+            best, best_score = c, score
+    return best if best_score >= 0.75 else None
+
+
+def unknown_key_error(key: str, candidates: list[str] | None = None, where: str = "a config key") -> str:
+    """The one line that refuses `key`, naming the nearest valid key when there is one."""
+    near = nearest_key(key, list(schema_keys()) if candidates is None else candidates)
+    return f"{key} is not {where}" + (f"; did you mean {near}?" if near else " (see src/diloco/schema.py)")
+
+
+def _configs_dir() -> Path:
+    import diloco.configs  # configs/, installed as this package (pyproject.toml)
+
+    return Path(diloco.configs.__file__).parent
+
+
+def config_groups() -> list[str]:
+    """The config groups (configs/<group>/*.yaml): `model=...` chooses a file, it sets no key."""
+    return sorted(d.name for d in _configs_dir().iterdir() if d.is_dir() and not d.name.startswith("_"))
+
+
+def experiment_names() -> list[str]:
+    root = _configs_dir() / "experiment"
+    return sorted(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml"))
+
+
+def help_choices() -> str:
+    """The choices `python -m diloco.train --help` lists, written as they are typed on the command line
+    (Hydra's own list shows `experiment/150m: ddp_1x`, a form the command line does not accept)."""
+    root = _configs_dir()
+    lines = ["experiment=NAME, one paper run each (its file's header says which result and what to expect):"]
+    lines += [f"  experiment={name}" for name in experiment_names()]
+    for group in ("model", "data", "distributed"):
+        names = sorted(p.stem for p in (root / group).glob("*.yaml"))
+        lines.append(f"{group}={'|'.join(names)}")
+    return "\n".join(lines)
+
+
+if not OmegaConf.has_resolver("diloco_help_choices"):  # configs/config.yaml: hydra.help.template
+    OmegaConf.register_new_resolver("diloco_help_choices", help_choices)
+
+
+def check_command_line(args: list[str]) -> str | None:
+    """Why these command-line overrides cannot compose, in one line, or None. Hydra itself would
+    answer a key the schema lacks with "To append to your config use +key=value", and a `+` then
+    adds it; here no key outside the schema passes, with or without `+`, and a typo names the
+    nearest valid key. Flags (--help, --cfg job, ...) are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    overrides = [a for a in args if not a.startswith("-")]
+    if "--cfg" in args or "-c" in args or "--info" in args or "--help" in args or "-h" in args:
+        return None
+    groups = config_groups()
+    for arg in overrides:  # experiment/150m=ddp_1x: the group's sub-folder belongs to the value
+        key, _, value = arg.partition("=")
+        group, _, sub = key.lstrip("+~").partition("/")
+        if sub and group in groups:
+            return f"{arg} is not how a file of the {group} group is chosen: write {group}={sub}/{value}"
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        return " ".join(str(e).split()).split(" See https://")[0]
+    for o in parsed:
+        key = o.key_or_group
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or key in groups:
+            continue
+        keys = schema_keys()
+        parts = key.split(".")
+        if not (key in keys or any(keys.get(".".join(parts[:i])) for i in range(1, len(parts)))):
+            return unknown_key_error(key)
+        if parts[0] == "distributed" and len(parts) > 1:  # a key of some mode: of this run's?
+            mode = _mode_of([a for a in overrides if a.partition("=")[0].lstrip("+~") in groups])
+            mode_keys = _schema_keys(schema.DISTRIBUTED_SCHEMAS[mode], "distributed.") if mode else {}
+            if mode and key not in mode_keys:
+                return unknown_key_error(key, list(mode_keys), f"a key of distributed mode {mode}")
+    return None
+
+
+def _mode_of(group_choices: list[str]) -> str | None:
+    """distributed.mode of the config these group choices compose (None if they do not compose)."""
+    from hydra import compose, initialize_config_module
+
+    try:
+        with initialize_config_module(config_module="diloco.configs", version_base="1.3"):
+            return compose(config_name="config", overrides=group_choices).distributed.mode
+    except Exception:  # Hydra names a bad choice itself
+        return None
+
+
+def check_batch_split(batch_size: int, micro_batch_size: int, ranks_per_worker: int) -> None:
+    """train.batch_size is per DiLoCo worker (global for DDP): each of the worker's ranks must get a
+    whole number of micro-batches."""
+    per_rank = batch_size // ranks_per_worker
+    if per_rank * ranks_per_worker != batch_size or per_rank % micro_batch_size:
+        raise ConfigError(
+            f"train.batch_size={batch_size} does not split into {ranks_per_worker} ranks "
+            f"x whole micro-batches of train.micro_batch_size={micro_batch_size}"
+        )
+
+
+def schedule_notice(cfg: Any) -> str | None:
+    """One line announcing a learning-rate schedule that train.max_steps cuts short (deliberate in a
+    demo or in the 1.1B runs judged half-way; a surprise otherwise), or None. A run longer than the
+    schedule is refused by `validate` (the cosine would climb back up)."""
+    max_steps, total, warmup = cfg.train.max_steps, cfg.optim.total_steps, cfg.optim.warmup_steps
+    if max_steps >= total:
+        return None
+    if max_steps < warmup:
+        where = f"still warming up ({max_steps}/{warmup} warmup steps)"
+    else:
+        progress = (max_steps - warmup) / max(1, total - warmup)
+        where = f"at {0.5 * (1 + math.cos(math.pi * progress)):.0%} of the peak lr"
+    return (
+        f"train.max_steps={max_steps} stops the lr schedule before it ends (optim.total_steps={total}): "
+        f"the run ends {where}; set optim.total_steps={max_steps} to finish it"
+    )
 
 
 def typed(block: Any, node_type: type, prefix: str) -> Any:
@@ -42,6 +210,14 @@ def typed(block: Any, node_type: type, prefix: str) -> Any:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
+        if isinstance(e, ConfigKeyError) and key:  # a key the schema does not declare
+            candidates = [prefix + k for k in _schema_keys(node_type, "")]
+            where = (
+                f"a key of distributed mode {block.get('mode')}"
+                if prefix == "distributed."
+                else "a config key"
+            )
+            raise ConfigError(unknown_key_error(prefix + key, candidates, where)) from None
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"{prefix}{key}: {reason}" if key else f"{prefix.rstrip('.')}: {reason}") from None
 
@@ -191,6 +367,11 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"train.batch_size={c.train.batch_size} is not a multiple of "
             f"train.micro_batch_size={c.train.micro_batch_size}"
+        )
+    if c.train.max_steps > c.optim.total_steps:
+        raise ConfigError(
+            f"train.max_steps={c.train.max_steps} runs past optim.total_steps={c.optim.total_steps}, where the "
+            "cosine schedule ends (it would climb back up): raise optim.total_steps"
         )
     if c.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device must be auto, cpu or cuda, got {c.device!r}")

@@ -28,6 +28,7 @@ import json
 import os
 import queue
 import re
+import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,12 +51,53 @@ class DataError(ValueError):
 # tokenizer
 
 
+def _offline(*variables: str) -> str | None:
+    """The first of these environment variables that tells the Hugging Face libraries to stay offline."""
+    return next((k for k in variables if os.environ.get(k, "").upper() in ("1", "ON", "YES", "TRUE")), None)
+
+
+def hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the Hugging Face Hub cannot be reached (one TCP connection, no retries), or None when it can.
+    The libraries themselves retry a dead network with backoff for about a minute before failing."""
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return f"{host}:{port} is unreachable ({type(e).__name__}: {e.strerror or e})"
+    return None
+
+
+def _needs_hub(what: str, *offline_variables: str) -> DataError | None:
+    """A DataError naming the cause when `what` must come from the Hub and the Hub is out of reach."""
+    flag = _offline(*offline_variables)
+    why = f"{flag} is set" if flag else hub_unreachable()
+    if why is None:
+        return None
+    return DataError(
+        f"{what} needs the Hugging Face Hub and {why}: use data=sample (bundled, offline), "
+        "or download it on a machine with network and run with HF_HUB_OFFLINE=1"
+    )
+
+
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
     if name_or_path.startswith(("/", ".", "~")) and not Path(name_or_path).expanduser().exists():
         raise DataError(f"tokenizer path does not exist: {name_or_path}")
-    tok = AutoTokenizer.from_pretrained(name_or_path)
+    if Path(name_or_path).expanduser().exists():
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+    else:
+        try:  # the cache first: a tokenizer already here needs no network
+            tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+        except OSError:
+            if (
+                error := _needs_hub(f"tokenizer {name_or_path} (not in the cache)", "HF_HUB_OFFLINE")
+            ) is not None:
+                raise error from None
+            tok = AutoTokenizer.from_pretrained(name_or_path)
     if tok.pad_token is None:  # Mistral ships no pad token; OpenDiLoCo uses </s>
         tok.pad_token = tok.eos_token
     # Pads go after the text: with causal attention no real token then attends to a pad, positions
@@ -159,6 +201,17 @@ def document_stream(data_cfg: DictConfig, split: str, shard: int = 0, num_shards
     data_files = data_cfg.get("data_files")
     data_files = dict(data_files) if data_files else None
     _check_local_files(data_files)
+    hub = not data_files and not Path(data_cfg.path).exists()  # streamed from the Hub (C4)
+    if (
+        hub
+        and (
+            error := _needs_hub(
+                f"data set {data_cfg.path} (streamed)", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"
+            )
+        )
+        is not None
+    ):
+        raise error
     ds = load_dataset(
         data_cfg.path, data_cfg.get("config_name"), data_files=data_files, split=split, streaming=True
     )

@@ -13,8 +13,11 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger("diloco")
@@ -34,6 +37,32 @@ def git_commit() -> str:
         return sha + ("-dirty" if dirty else "")
     except Exception:
         return "unknown"
+
+
+SET_UP_FILES = ("train.log", "train.rank*.log", "config.yaml")  # what a run writes before its first step
+
+
+@contextmanager
+def nothing_left_on(errors: tuple[type[BaseException], ...], cfg) -> Iterator[None]:
+    """On one of `errors`, remove the run directory (`out_dir/run_name`) if this process created it and
+    it holds nothing but the set-up files: a run refused before it trained leaves nothing behind; a
+    resumed or started run keeps everything. Rank 0 removes it; the other ranks leave it alone."""
+    try:
+        run_dir = Path(cfg.out_dir) / cfg.run_name
+        existed = run_dir.exists()
+    except Exception:  # a config that does not resolve: validation names it, there is no directory
+        run_dir, existed = None, True
+    try:
+        yield
+    except errors:
+        if not existed and os.environ.get("RANK", "0") == "0" and run_dir.is_dir():
+            metrics = run_dir / "metrics.jsonl"
+            if all(
+                any(e.match(p) for p in SET_UP_FILES) or (e == metrics and not e.stat().st_size)
+                for e in run_dir.iterdir()
+            ):
+                shutil.rmtree(run_dir, ignore_errors=True)
+        raise
 
 
 def wandb_mode(configured: str | None) -> str:

@@ -1,7 +1,10 @@
 """Judging runs against the paper: read run directories, compute the figures the paper reports, and
 check them against `results/reference.yaml` (absolute numbers and the paper's claims in relative form).
 
-Used by `scripts/check.py` (`make check`) and `scripts/report.py` (`make report`).
+Used by `scripts/check.py` (`make check`) and `scripts/report.py` (`make report`). Both read either a
+folder of run directories (`runs/`) or a committed record (`results/<family>/`, its `summaries.json`):
+a record keeps, per run, the summary and the metric records the verdicts are computed from
+(`judged_records`), so judging it again gives the verdicts it was made with.
 """
 
 from __future__ import annotations
@@ -65,7 +68,52 @@ class Run:
         return total / steps if total is not None and steps else None
 
 
+RECORD = "summaries.json"  # a report's record of its runs (scripts/report.py)
+PLOTTED = ("comm/cast_rel_error", "outer/compute_utilization")  # series the report plots per round
+
+
+def judged_records(run: Run, window: float) -> list[dict]:
+    """The metric records that judging and plotting `run` read: every evaluation and plotted series,
+    the training losses of the window the paper's number is compared with, and the bytes communicated
+    by each evaluation."""
+    end = run.report_step
+    start = end * (1 - window)
+    keep = [r for r in run.records if "eval/perplexity" in r or any(k in r for k in PLOTTED)]
+    keep += [
+        {"step": r["step"], "Loss": r["Loss"]}
+        for r in run.records
+        if "Loss" in r and start <= r["step"] <= end
+    ]
+    comm = [r for r in run.records if "comm/total_bytes" in r]
+    for step, _ in run.evals():
+        before = [r for r in comm if r["step"] <= step]
+        if before:
+            keep.append({"step": before[-1]["step"], "comm/total_bytes": before[-1]["comm/total_bytes"]})
+    unique = {json.dumps(r, sort_keys=True): r for r in keep}
+    return sorted(unique.values(), key=lambda r: r["step"])
+
+
+def load_record(root: Path) -> list[Run]:
+    """The runs of a committed record. A record written before records were kept holds only each run's
+    final evaluation (its summary's final_eval_perplexity at its last step)."""
+    runs = []
+    for label, entry in json.loads((Path(root) / RECORD).read_text()).items():
+        summary = {k: v for k, v in entry.items() if k != "records"}
+        records = entry.get("records")
+        if records is None:
+            records = []
+            if summary.get("final_eval_perplexity") is not None:
+                records.append(
+                    {"step": summary.get("step", 0), "eval/perplexity": summary["final_eval_perplexity"]}
+                )
+        runs.append(Run(Path(root) / label, summary, records))
+    return runs
+
+
 def load_runs(root: Path) -> list[Run]:
+    """The run directories under `root`, or the runs of the record `root` holds."""
+    if (Path(root) / RECORD).exists():
+        return load_record(root)
     runs = []
     for summary_path in sorted(Path(root).glob("*/summary.json")):
         try:

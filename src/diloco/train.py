@@ -30,7 +30,14 @@ from transformers import get_cosine_schedule_with_warmup
 from diloco import checkpoint
 from diloco.checkpoint import CheckpointError
 from diloco.comm import CommError
-from diloco.config import ConfigError, validate
+from diloco.config import (
+    ConfigError,
+    check_batch_split,
+    check_command_line,
+    print_error,
+    schedule_notice,
+    validate,
+)
 from diloco.data import DataError, PrefetchedStream, SequenceStream, eval_batches, load_tokenizer
 from diloco.distributed import (
     DistContext,
@@ -38,7 +45,7 @@ from diloco.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from diloco.metrics import RunLogger, git_commit
+from diloco.metrics import RunLogger, git_commit, nothing_left_on
 from diloco.model import build_model, count_parameters, shape_fingerprint
 
 log = logging.getLogger("diloco")
@@ -128,14 +135,17 @@ def run(cfg: DictConfig) -> int:
     # ----------------------------------------------------------------------------- set-up
     validate(cfg)
     ctx = init_distributed(cfg)
+    check_batch_split(cfg.train.batch_size, cfg.train.micro_batch_size, ctx.ranks_per_worker)
     run_dir = Path(cfg.out_dir) / cfg.run_name
     setup_logging(run_dir, ctx)
+    if notice := schedule_notice(cfg):
+        log.warning(notice)
     torch.manual_seed(cfg.seed + ctx.rank)
     device = ctx.device
     use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
     resolved = record_config(cfg, run_dir, ctx)
-    accum = accumulation_steps(cfg, ctx)
+    accum = cfg.train.batch_size // ctx.ranks_per_worker // cfg.train.micro_batch_size  # checked above
 
     # ----------------------------------------------------------------------------- data
     train_stream, eval_sets = build_data(cfg, ctx)
@@ -356,17 +366,6 @@ def build_optimizer(cfg, model, device: torch.device):
     )
 
 
-def accumulation_steps(cfg, ctx: DistContext) -> int:
-    """Micro-batches per optimizer step on this rank (train.batch_size is per worker of G ranks)."""
-    per_rank = cfg.train.batch_size // ctx.ranks_per_worker
-    if per_rank * ctx.ranks_per_worker != cfg.train.batch_size or per_rank % cfg.train.micro_batch_size:
-        raise ConfigError(
-            f"train.batch_size={cfg.train.batch_size} does not split into {ctx.ranks_per_worker} ranks "
-            f"x whole micro-batches of train.micro_batch_size={cfg.train.micro_batch_size}"
-        )
-    return per_rank // cfg.train.micro_batch_size
-
-
 def build_data(cfg, ctx: DistContext) -> tuple[PrefetchedStream, dict]:
     """This rank's training stream (its shard, prefetched) and rank 0's fixed held-out batches: "all",
     and with non-IID shards each shard's own distribution."""
@@ -429,12 +428,16 @@ def _config_choices() -> dict:
 @hydra.main(version_base="1.3", config_path="pkg://diloco.configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
-        code = run(cfg)
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+        with nothing_left_on(USER_ERRORS, cfg):
+            code = run(cfg)
+    except USER_ERRORS as e:  # a config error is every rank's: printed once; others may be one rank's
+        print_error(str(e), every_rank=not isinstance(e, ConfigError))
         code = 2
     sys.exit(code)
 
 
 if __name__ == "__main__":
+    if (error := check_command_line(sys.argv[1:])) is not None:  # before Hydra, which hints at `+key`
+        print_error(error)
+        sys.exit(2)
     main()
