@@ -14,13 +14,14 @@ from diloco.quant import QuantizedAverager, dequantize, payload_bytes, quantize
 
 
 def _by_hand(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
-    """What a worker sends for x, decoded: nearest code of absmax/qmax-scaled blocks, scales in bf16."""
+    """What a worker sends for x, decoded: the nearest code of x * (1 / s) per block, s = absmax / qmax
+    rounded to bfloat16 (the scale sent)."""
     qmax = 2 ** (bits - 1) - 1
     out = torch.empty_like(x)
     for lo in range(0, x.numel(), block):
         b = x[lo : lo + block]
-        s = float((b.abs().max() / qmax).to(torch.bfloat16))
-        out[lo : lo + block] = (b / s).round().clamp(-qmax, qmax) * s if s > 0 else 0.0
+        s = (b.abs().max() / qmax).to(torch.bfloat16).float()
+        out[lo : lo + block] = (b * (1 / s)).round().clamp(-qmax, qmax) * s if s > 0 else 0.0
     return out
 
 

@@ -33,11 +33,13 @@ def payload_bytes(n: int, bits: int, block: int) -> int:
 def quantize(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     """FP32 [n] -> uint8 [payload_bytes(n)]: codes, then bfloat16 scales (module docstring)."""
     qmax = 2 ** (bits - 1) - 1
-    xb = F.pad(x, (0, (-x.numel()) % block)).view(-1, block)  # [blocks, block]
-    scales = (xb.abs().amax(dim=1) / qmax).to(torch.bfloat16)  # [blocks], what is sent
+    pad = (-x.numel()) % block
+    xb = (F.pad(x, (0, pad)) if pad else x).view(-1, block)  # [blocks, block]
+    absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_())  # two reads, no |x| temporary
+    scales = (absmax / qmax).to(torch.bfloat16)  # [blocks], what is sent
     s = scales.float()
-    s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero block: codes 0 whatever the scale
-    q = torch.round(xb / s[:, None]).clamp_(-qmax, qmax).to(torch.int8)  # [blocks, block]
+    inv = torch.where(s > 0, s, torch.ones_like(s)).reciprocal_()  # an all-zero block: codes 0
+    q = torch.mul(xb, inv[:, None]).round_().clamp_(-qmax, qmax).to(torch.int8)  # [blocks, block]
     if bits == 4:
         u = (q + 8).to(torch.uint8)
         codes = u[:, 0::2] | (u[:, 1::2] << 4)  # [blocks, block / 2]
