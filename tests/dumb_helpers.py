@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
-from diloco.dumb_diloco.coordinator import Coordinator, Settings
-from diloco.dumb_diloco.master import MasterState, OuterLoop
+from diloco.dumb_diloco.master import OuterLoop
+from diloco.dumb_diloco.node import Node, Settings
+from diloco.dumb_diloco.recovery import MasterState
 from diloco.dumb_diloco.tensor_format import (
     GLOBAL_STEP_PATH,
     GLOBAL_WEIGHTS_PATH,
@@ -162,15 +163,13 @@ def put_delta(
     transport.write({delta_path(node_id, local_step): encode(tensors, header)})
 
 
-def worker(
-    tmp_path: Path, model=None, initial=None, clock=None, spy=True, **kw
-) -> tuple[Coordinator, Spy, Tiny]:
-    """A started worker Coordinator on a directory repository that holds global outer step 0."""
+def worker(tmp_path: Path, model=None, initial=None, clock=None, spy=True, **kw) -> tuple[Node, Spy, Tiny]:
+    """A started worker Node on a directory repository that holds global outer step 0."""
     repo = DirectoryTransport(tmp_path / "repo")
     model = model or Tiny()
     publish(repo, initial if initial is not None else model.state_dict(), 0)
     transport = Spy(repo) if spy else repo
-    coord = Coordinator(model, settings(tmp_path / "repo", **kw), transport, clock=clock or FakeClock(),
+    coord = Node(model, settings(tmp_path / "repo", **kw), transport, clock=clock or FakeClock(),
                         tokens_per_step=64, samples_per_step=4)  # fmt: skip
     coord.start()
     return coord, transport, model

@@ -229,16 +229,16 @@ def _run_node(rendezvous: Path, overrides: list[str]) -> None:
     """`python -m diloco.train <overrides>`, with the module docstring's two rendezvous."""
     import runpy
 
-    from diloco.dumb_diloco.coordinator import Coordinator, DumbDiLoCo
+    from diloco.dumb_diloco.node import DumbDiLoCo, Node
 
     finish = DumbDiLoCo.finish
 
     def finish_after_the_workers(self):  # at the end of training; on the master, its last round follows
-        if self.coordinator.s.is_master:
+        if self.node.s.is_master:
             _wait_for((rendezvous / WORKERS_DONE).exists, "the workers to exit")
         return finish(self)
 
-    on_step = Coordinator.on_step
+    on_step = Node.on_step
 
     def on_step_installing_at_the_end(self, local_step):
         if local_step == STEPS and not self.s.is_master and self.installed_outer_step < 1:
@@ -246,16 +246,15 @@ def _run_node(rendezvous: Path, overrides: list[str]) -> None:
             # in the repository, for the upload in flight (a busy uploader would skip the boundary), and
             # for a poll that started after it was published (v2; v1 polls at the boundary itself).
             _wait_for(lambda: _published_step(self.transport) >= 1, "the master's outer step 1")
-            if self._uploader is not None:
-                _wait_for(lambda: not self._uploader.busy, "the upload in flight")
-            if self._poller is not None:
-                _wait_for(lambda: not self._poller.busy, "the poll in flight")
-                assert self._poller.submit()
-                _wait_for(lambda: not self._poller.busy, "a poll of the newer global")
+            _wait_for(lambda: not self.uploading, "the upload in flight")
+            if self.s.async_global_poll:
+                _wait_for(lambda: not self.polling, "the poll in flight")
+                assert self._poll()
+                _wait_for(lambda: not self.polling, "a poll of the newer global")
         return on_step(self, local_step)
 
     DumbDiLoCo.finish = finish_after_the_workers
-    Coordinator.on_step = on_step_installing_at_the_end
+    Node.on_step = on_step_installing_at_the_end
     sys.argv = [sys.argv[0], *overrides]
     runpy.run_module("diloco.train", run_name="__main__", alter_sys=True)
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 from dumb_helpers import B0, LR, MU, W0, Spy, Tiny, g, put_delta, settings
 
-from diloco.dumb_diloco.coordinator import Coordinator
-from diloco.dumb_diloco.master import MasterState, OuterLoop, nesterov_outer_step
+from diloco.dumb_diloco.master import OuterLoop
+from diloco.dumb_diloco.node import Node
+from diloco.dumb_diloco.recovery import MasterState
 from diloco.dumb_diloco.tensor_format import (
     GLOBAL_STEP_PATH,
     GLOBAL_WEIGHTS_PATH,
@@ -102,7 +103,7 @@ def test_step6_nesterov_over_rounds_matches_hand_computation_and_torch_sgd(setup
 
 def test_step6_plain_sgd_without_momentum(tmp_path):
     state = MasterState.from_model_state(Tiny().state_dict())
-    nesterov_outer_step(state, g(1.0), lr=1.0, momentum=0.0)
+    state.apply_outer_step(g(1.0), lr=1.0, momentum=0.0)
     assert torch.equal(state.weights["w"], W0 - 1.0) and state.momentum == {}
 
 
@@ -272,9 +273,7 @@ def test_step10_training_thread_is_notified_with_a_snapshot(setup):
 def test_outer_thread_survives_errors_and_never_touches_the_live_model(tmp_path):
     model = Tiny()
     repo = Spy(DirectoryTransport(tmp_path / "repo"))
-    coord = Coordinator(
-        model, settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05), repo
-    )
+    coord = Node(model, settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05), repo)
     coord.start()
     live = model.w.detach().clone()
     repo.fail_revisions = 2  # two rounds fail: logged, counted, the thread goes on
@@ -313,7 +312,7 @@ def test_close_runs_a_last_round_and_drains_late_deltas(tmp_path):
     model = Tiny()
     repo = DirectoryTransport(tmp_path / "repo")
     s = settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05, drain_seconds=2.0)
-    coord = Coordinator(model, s, repo)
+    coord = Node(model, s, repo)
     coord.start()
     last_round, late = coord.outer._last_round, []
 
@@ -332,9 +331,9 @@ def test_close_runs_a_last_round_and_drains_late_deltas(tmp_path):
 # ------------------------------------------------------------------ master start-up
 
 
-def _master(tmp_path, model=None, **kw) -> Coordinator:
+def _master(tmp_path, model=None, **kw) -> Node:
     s = settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05, **kw)
-    coord = Coordinator(model or Tiny(), s, DirectoryTransport(tmp_path / "repo"))
+    coord = Node(model or Tiny(), s, DirectoryTransport(tmp_path / "repo"))
     return coord
 
 
@@ -406,7 +405,7 @@ def test_transient_write_errors_on_the_master_never_raise(tmp_path):
 def test_master_refuses_a_repository_of_another_model_and_replaces_a_corrupt_global(tmp_path):
     from dumb_helpers import publish, publish_raw
 
-    from diloco.dumb_diloco.coordinator import DumbDiLoCoError
+    from diloco.dumb_diloco.node import DumbDiLoCoError
 
     publish(DirectoryTransport(tmp_path / "repo"), Tiny(bf16=True).state_dict(), 3)
     with pytest.raises(DumbDiLoCoError, match="is not this model"):

@@ -115,7 +115,7 @@ def proc_node(role: str, repo: str, node_id: str, state_dir: str, stop_file: str
     import torch
     from dumb_helpers import Tiny
 
-    from diloco.dumb_diloco.coordinator import Coordinator, DumbDiLoCoError
+    from diloco.dumb_diloco.node import DumbDiLoCoError, Node
 
     torch.manual_seed(seed)
     # a restarted master opens the existing repository (the loopback Hub answers create_repo on an existing
@@ -124,7 +124,7 @@ def proc_node(role: str, repo: str, node_id: str, state_dir: str, stop_file: str
     if fail_every:
         transport = Flaky(transport, fail_every)
     kw = {"lease_seconds": lease} if role == "master" else {}
-    coord = Coordinator(Tiny(), _settings(repo, role, node_id, state_dir, **kw), transport, tokens_per_step=1)
+    coord = Node(Tiny(), _settings(repo, role, node_id, state_dir, **kw), transport, tokens_per_step=1)
     try:
         coord.start()
     except DumbDiLoCoError as err:
@@ -138,7 +138,7 @@ def proc_node(role: str, repo: str, node_id: str, state_dir: str, stop_file: str
                 p.add_(torch.randn_like(p) * 0.01)
         coord.on_step(step)  # never raises, whatever the transport does
         if step - first_step == pause_at:
-            _wait_until(lambda: coord._uploader is None or not coord._uploader.busy, "the upload in flight")
+            _wait_until(lambda: not coord.uploading, "the upload in flight")
             Path(stop_file).with_name(f"{node_id}.paused").touch()
             _wait_until(Path(stop_file).with_name("go").exists, "the go file")
         time.sleep(0.01)
@@ -225,7 +225,7 @@ def published_step(repo) -> int:
 
 def applied_nodes(repo) -> set[str]:
     """The nodes with at least one delta applied in the published ledger."""
-    from diloco.dumb_diloco.master import GLOBAL_LEDGER_PATH
+    from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH
     from diloco.dumb_diloco.transport import RemoteNotFound
 
     try:
@@ -251,13 +251,8 @@ def replay(repo, node_state) -> None:
     import torch
     from dumb_helpers import Tiny
 
-    from diloco.dumb_diloco.master import (
-        GLOBAL_LEDGER_PATH,
-        GLOBAL_MOMENTUM_PATH,
-        MasterState,
-        _average,
-        nesterov_outer_step,
-    )
+    from diloco.dumb_diloco.master import _average
+    from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, GLOBAL_MOMENTUM_PATH, MasterState
     from diloco.dumb_diloco.tensor_format import GLOBAL_WEIGHTS_PATH, decode, delta_path, parse_delta_path
 
     ledger = json.loads(repo.read(GLOBAL_LEDGER_PATH))
@@ -272,7 +267,7 @@ def replay(repo, node_state) -> None:
         deltas = [decode(repo.read(delta_path(e["node_id"], e["local_step"])), max_bytes=2**20)[0]
                   for e in entries if e["status"] == "applied" and e["outer_step"] == step]  # fmt: skip
         assert deltas, f"outer step {step} has no deltas in the ledger"
-        nesterov_outer_step(state, _average(deltas), 0.7, 0.9)
+        state.apply_outer_step(_average(deltas), 0.7, 0.9)
     weights, _ = decode(repo.read(GLOBAL_WEIGHTS_PATH), max_bytes=2**20)
     momentum, _ = decode(repo.read(GLOBAL_MOMENTUM_PATH), max_bytes=2**20)
     for k in ("w", "b"):
@@ -331,7 +326,7 @@ def _repo(tmp_path, kind):
 
 @pytest.mark.slow
 def test_second_master_refuses_while_the_lease_is_fresh_then_takes_over(tmp_path):
-    from diloco.dumb_diloco.master import LEASE_PATH
+    from diloco.dumb_diloco.recovery import LEASE_PATH
     from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH
     from diloco.dumb_diloco.transport import DirectoryTransport
 

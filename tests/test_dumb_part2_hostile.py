@@ -12,7 +12,8 @@ import pytest
 import torch
 from dumb_helpers import LR, MU, W0, Tiny, g, put_delta
 
-from diloco.dumb_diloco.master import GLOBAL_LEDGER_PATH, MasterState, OuterLoop
+from diloco.dumb_diloco.master import OuterLoop
+from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, MasterState
 from diloco.dumb_diloco.tensor_format import DeltaMeta, delta_path, encode
 from diloco.dumb_diloco.transport import DirectoryTransport, RemoteFile
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from dumb_helpers import Spy, Tiny, g, put_delta, settings
 
-from diloco.dumb_diloco.coordinator import Coordinator, DumbDiLoCoError
-from diloco.dumb_diloco.master import (
+from diloco.dumb_diloco.master import OuterLoop
+from diloco.dumb_diloco.node import DumbDiLoCoError, Node
+from diloco.dumb_diloco.recovery import (
     GLOBAL_LEDGER_PATH,
     GLOBAL_MOMENTUM_PATH,
     LEASE_PATH,
     MasterState,
-    OuterLoop,
     lease_holder,
 )
 from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, decode, delta_path
@@ -40,11 +40,11 @@ def wait_for_lease_expiry(transport) -> None:
     wait_until(lambda: time.time() - lease["heartbeat"] > lease["lease_seconds"])
 
 
-def master(tmp_path, node_id="m", state_dir=None, spy=False, **kw) -> Coordinator:
+def master(tmp_path, node_id="m", state_dir=None, spy=False, **kw) -> Node:
     s = settings(tmp_path / "repo", role="master", node_id=node_id, poll_interval=0.05,
                  state_dir=str(state_dir or tmp_path / "state"), **kw)  # fmt: skip
     transport = DirectoryTransport(tmp_path / "repo")
-    return Coordinator(Tiny(), s, Spy(transport) if spy else transport)
+    return Node(Tiny(), s, Spy(transport) if spy else transport)
 
 
 def test_global_step_ledger_momentum_and_lease_are_one_write(tmp_path):
@@ -184,7 +184,7 @@ def test_a_master_whose_lease_was_taken_stops_publishing(tmp_path):
 
 
 def test_lease_config_keys():
-    from diloco.dumb_diloco.coordinator import Settings
+    from diloco.dumb_diloco.node import Settings
 
     s = Settings.from_config({"role": "master", "node_id": "m", "repo_id": "o/r"})
     assert (s.lease_seconds, s.keep_deltas, s.publish_master_state) == (300, 0, True)

@@ -7,8 +7,9 @@ import pytest
 import torch
 from dumb_helpers import B0, LR, MU, W0, Tiny, g, put_delta, settings
 
-from diloco.dumb_diloco.coordinator import Coordinator, Settings
-from diloco.dumb_diloco.master import MasterState, OuterLoop
+from diloco.dumb_diloco.master import OuterLoop
+from diloco.dumb_diloco.node import Node, Settings
+from diloco.dumb_diloco.recovery import MasterState
 from diloco.dumb_diloco.transport import DirectoryTransport
 
 pytestmark = pytest.mark.usefixtures("no_network")
@@ -73,7 +74,7 @@ def test_flush_and_shutdown_apply_pending_deltas_below_the_quorum(tmp_path):
     # through the coordinator: close() applies what is still pending
     model = Tiny()
     s = settings(tmp_path / "repo2", role="master", node_id="m", poll_interval=0.05, min_deltas_per_round=4)
-    coord = Coordinator(model, s, DirectoryTransport(tmp_path / "repo2"))
+    coord = Node(model, s, DirectoryTransport(tmp_path / "repo2"))
     coord.start()
     put_delta(coord.transport, "x", 3, g(1.0))
     put_delta(coord.transport, "y", 3, g(2.0))
@@ -176,14 +177,14 @@ def test_delayed_nesterov_with_period_1_is_torch_nesterov(tmp_path):
 def test_config_switches_reach_the_outer_loop(tmp_path):
     s = settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05, staleness_weighting=True,
                  delayed_nesterov=True, delayed_nesterov_period=3, min_deltas_per_round=2)  # fmt: skip
-    coord = Coordinator(Tiny(), s, DirectoryTransport(tmp_path / "repo"))
+    coord = Node(Tiny(), s, DirectoryTransport(tmp_path / "repo"))
     coord.start()
     try:
         o = coord.outer
         assert (o.staleness_weighting, o.delayed_nesterov_period, o.min_deltas_per_round) == (True, 3, 2)
     finally:
         coord.close()
-    off = Coordinator(Tiny(), settings(tmp_path / "r2", role="master", node_id="m", delayed_nesterov_period=3),
+    off = Node(Tiny(), settings(tmp_path / "r2", role="master", node_id="m", delayed_nesterov_period=3),
                       DirectoryTransport(tmp_path / "r2"))  # fmt: skip
     off.start()
     try:
