@@ -10,7 +10,8 @@ import pytest
 import torch
 from dumb_helpers import FakeClock, Tiny, nudge, publish, settings, worker
 
-from diloco.dumb_diloco.node import DumbDiLoCoError, Node
+from diloco.dumb_diloco.settings import DumbDiLoCoError
+from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.tensor_format import decode, delta_path
 from diloco.dumb_diloco.transport import DirectoryTransport
 
@@ -56,8 +57,14 @@ def test_resumed_worker_sends_the_delta_of_an_uninterrupted_one(tmp_path, v2):
     coord.close()
     model2 = Tiny()
     model2.load_state_dict(ckpt["model"])
-    again = Node(model2, settings(tmp_path / "run" / "repo", **kw), DirectoryTransport(tmp_path / "run" / "repo"),
-                        clock=FakeClock(), tokens_per_step=64, samples_per_step=4)  # fmt: skip
+    again = DumbDiLoCo(
+        model2,
+        settings(tmp_path / "run" / "repo", **kw),
+        DirectoryTransport(tmp_path / "run" / "repo"),
+        clock=FakeClock(),
+        tokens_per_step=64,
+        samples_per_step=4,
+    )
     again.load_state_dict(ckpt["strategy"])
     again.start()
     for i, x in enumerate(steps[6:], 7):
@@ -82,7 +89,7 @@ def test_resume_keeps_a_newer_global_for_the_next_boundary(tmp_path):
     publish(repo, newer, 1)  # published while the node was down
     model2 = Tiny()
     model2.load_state_dict(ckpt["model"])
-    again = Node(model2, settings(tmp_path / "repo", inner_steps=3), repo, clock=FakeClock())
+    again = DumbDiLoCo(model2, settings(tmp_path / "repo", inner_steps=3), repo, clock=FakeClock())
     again.load_state_dict(ckpt["strategy"])
     again.start()
     nudge(model2, 0.25)

@@ -177,10 +177,11 @@ class MasterState:
     def published(self) -> dict[str, torch.Tensor]:
         """The full state_dict in the model's dtypes (what global/latest.safetensors holds)."""
         return {
-            k: from_float32(t, self.dtypes[k]) if self.dtypes[k].is_floating_point or self.dtypes[k].is_complex
+            k: from_float32(t, self.dtypes[k])
+            if self.dtypes[k].is_floating_point or self.dtypes[k].is_complex
             else t.clone()
             for k, t in self.weights.items()
-        }  # fmt: skip
+        }
 
     def apply_outer_step(
         self, pseudo_grad: dict[str, torch.Tensor], lr: float, momentum: float, delay_period: int = 1
@@ -192,8 +193,9 @@ class MasterState:
         opt = OuterOptimizer(
             [self.weights[n] for n in names], lr=lr, momentum=momentum, delay_period=delay_period
         )
-        opt.load_buffers([self.momentum.get(n) for n in names], [self.delayed.get(n) for n in names],
-                         self.delayed_count)  # fmt: skip
+        opt.load_buffers(
+            [self.momentum.get(n) for n in names], [self.delayed.get(n) for n in names], self.delayed_count
+        )
         opt.step([pseudo_grad[n] for n in names])
         sums, self.delayed_count = opt.delayed_sums()
         self.momentum = {n: m for n, m in zip(names, opt.momentum_buffers()) if m is not None}
@@ -203,8 +205,13 @@ class MasterState:
 
     def _meta(self) -> dict:
         dtypes = {k: str(d) for k, d in self.dtypes.items()}
-        return {"format": STATE_FORMAT, "outer_step": self.outer_step, "dtypes": dtypes,
-                "ledger": self.ledger.to_json(), "delayed_count": self.delayed_count}  # fmt: skip
+        return {
+            "format": STATE_FORMAT,
+            "outer_step": self.outer_step,
+            "dtypes": dtypes,
+            "ledger": self.ledger.to_json(),
+            "delayed_count": self.delayed_count,
+        }
 
     def to_checkpoint(self) -> dict:
         return self._meta() | {
@@ -233,8 +240,11 @@ class MasterState:
         blob = encode(tensors, {"kind": "dumb_diloco_master_state", "outer_step": str(self.outer_step)})
         name = f"master_state.{self.outer_step:08d}.safetensors"
         write_atomic(directory / name, blob)
-        meta = self._meta() | {"tensors": name, "tensors_sha256": hashlib.sha256(blob).hexdigest(),
-                               "saved_at": utc_now()}  # fmt: skip
+        meta = self._meta() | {
+            "tensors": name,
+            "tensors_sha256": hashlib.sha256(blob).hexdigest(),
+            "saved_at": utc_now(),
+        }
         write_atomic(directory / "master_state.json", json.dumps(meta, indent=1).encode())
         for old in directory.glob("master_state.*.safetensors"):
             if old.name != name:
@@ -293,17 +303,31 @@ def recover(
         state.delayed, state.delayed_count = pub.delayed, pub.delayed_count
         log.warning(
             "master: continuing from the repository at outer step %d with its published ledger (%d entries) "
-            "and momentum%s", repo.outer_step, len(state.ledger),
+            "and momentum%s",
+            repo.outer_step,
+            len(state.ledger),
             f" (local state was at outer step {chosen.outer_step})" if chosen is not None else "",
-        )  # fmt: skip
+        )
         return state, False, False
     if chosen is not None:
-        log.warning("master: local state is at outer step %d but the repository is at %d; adopting the "
-                    "repository's weights (momentum and ledger kept)", chosen.outer_step, repo.outer_step)  # fmt: skip
+        log.warning(
+            "master: local state is at outer step %d but the repository is at %d; adopting the "
+            "repository's weights (momentum and ledger kept)",
+            chosen.outer_step,
+            repo.outer_step,
+        )
         state.momentum, state.ledger = chosen.momentum, chosen.ledger
     for d in step_info.get("deltas", []):  # the round we have no record of
-        state.ledger.add(LedgerEntry(d["node_id"], int(d["local_step"]), d["sha256"], "applied",
-                                     repo.outer_step, int(d.get("base_outer_step", -1))))  # fmt: skip
+        state.ledger.add(
+            LedgerEntry(
+                d["node_id"],
+                int(d["local_step"]),
+                d["sha256"],
+                "applied",
+                repo.outer_step,
+                int(d.get("base_outer_step", -1)),
+            )
+        )
     return state, False, chosen is None
 
 
@@ -329,13 +353,19 @@ def load_published_state(
     try:
         ledger = json.loads(raw)
         tensors, meta = decode(blob, max_bytes=max_file_bytes)
-        for what, step, sha in ((GLOBAL_LEDGER_PATH, ledger.get("outer_step"), ledger.get("global_sha256")),
-                                (GLOBAL_MOMENTUM_PATH, meta.get("outer_step"), meta.get("global_sha256"))):  # fmt: skip
+        for what, step, sha in (
+            (GLOBAL_LEDGER_PATH, ledger.get("outer_step"), ledger.get("global_sha256")),
+            (GLOBAL_MOMENTUM_PATH, meta.get("outer_step"), meta.get("global_sha256")),
+        ):
             if str(step) != str(outer_step) or sha != global_sha256:
                 log.warning("master: %s is of another publication (outer step %s); not using it", what, step)
                 return None
-        return PublishedState(Ledger.from_json(ledger["entries"]), _strip(tensors, "momentum"),
-                              _strip(tensors, "delayed"), int(meta.get("delayed_count", "0")))  # fmt: skip
+        return PublishedState(
+            Ledger.from_json(ledger["entries"]),
+            _strip(tensors, "momentum"),
+            _strip(tensors, "delayed"),
+            int(meta.get("delayed_count", "0")),
+        )
     except (ValueError, KeyError, TypeError, InvalidTensorFile) as err:
         log.warning("master: the published ledger/momentum is unreadable (%s); not using it", err)
         return None
