@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from .intake import Candidate, Intake
 from .recovery import (
     GLOBAL_LEDGER_PATH,
     GLOBAL_MOMENTUM_PATH,
@@ -38,43 +39,13 @@ from .recovery import (
     lease_holder,
     utc_now,
 )
-from .tensor_format import (
-    GLOBAL_STEP_PATH,
-    GLOBAL_WEIGHTS_PATH,
-    NODES_DIR,
-    DeltaMeta,
-    InvalidTensorFile,
-    decode,
-    encode,
-    parse_delta_path,
-    parse_header,
-)
-from .transport import FileTooLarge, RemoteNotFound, Transport, TransportError
+from .tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, encode, parse_header
+from .transport import Transport, TransportError
 
 log = logging.getLogger("diloco.dumb_diloco")
 
 HF_CONFIG_PATH = "config.json"
 HF_INDEX_PATH = "model.safetensors.index.json"
-
-
-@dataclass
-class Candidate:
-    path: str
-    node_id: str
-    local_step: int
-    sha256: str  # from the header (verified against the payload when downloaded)
-    meta: DeltaMeta | None = None
-    reason: str = ""  # non-empty: already known to be invalid
-
-    @property
-    def identity(self) -> tuple[str, int, str]:
-        return (self.node_id, self.local_step, self.sha256)
-
-    def entry(self, status: str, outer_step: int, reason: str = "", staleness: int = -1) -> LedgerEntry:
-        base = self.meta.base_outer_step if self.meta else -1
-        return LedgerEntry(
-            self.node_id, self.local_step, self.sha256, status, outer_step, base, reason, staleness
-        )
 
 
 @dataclass
@@ -121,7 +92,6 @@ class OuterLoop:
     ):
         self.transport, self.state, self.node_id = transport, state, node_id
         self.init_sha256 = init_sha256  # the master's initial weights, published for workers to compare
-        self.allowed = frozenset(collaborators) | {node_id} if collaborators else None  # None: every node
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.poll_interval, self.state_dir, self.max_file_bytes = poll_interval, state_dir, max_file_bytes
         self.on_snapshot, self.hf_config = on_snapshot, hf_config
@@ -136,12 +106,9 @@ class OuterLoop:
         self.lease_seconds, self.wall_clock = lease_seconds, wall_clock  # 0: no lease (the spec)
         self._last_lease_write = -math.inf
         self.fenced = ""  # non-empty: another master holds the lease; this one no longer publishes
-        self._delta_layout = delta_layout(state.published())
+        allowed = frozenset(collaborators) | {node_id} if collaborators else None  # the master's own always
+        self.intake = Intake(transport, delta_layout(state.published()), max_file_bytes, allowed)
         self.lock = threading.Lock()  # guards `state` against checkpointing from the training thread
-        self._ignored_nodes: set[str] = set()
-        self._headers: dict[tuple[str, str], Candidate] = {}  # (path, version) -> identity from its header
-        self._transient = False  # this round skipped something after a transport error (retried next poll)
-        self._refused: list[tuple[str, int, str, str]] = []  # (node, step, tag, reason) from the last listing
         self._unpublished = False  # the last round's publication failed: retry before the next round
         self._hf_config_written = False
         self._thread: threading.Thread | None = None
@@ -149,7 +116,7 @@ class OuterLoop:
         self._drain_seconds, self._last_new_delta = 0.0, time.monotonic()
         # metrics (read by the training thread)
         self.rounds = self.deltas_accepted = self.deltas_rejected = self.last_num_peers = self.errors = 0
-        self.bytes_downloaded = self.bytes_uploaded = 0
+        self.bytes_uploaded = 0
         self.last_pseudo_grad_norm = 0.0
 
     def mark_existing_as_processed(self) -> int:
@@ -157,8 +124,8 @@ class OuterLoop:
         repository without its own state cannot know which were applied; re-applying them would be worse)."""
         revision = self.transport.revision()
         n = 0
-        for f in self._list_deltas(revision):
-            c = self._candidate(f, revision)
+        for f in self.intake.list(revision):
+            c = self.intake.candidate(f, revision)
             if c is not None and c.identity not in self.state.ledger:
                 self.state.ledger.add(c.entry("preexisting", self.state.outer_step))
                 n += 1
@@ -170,14 +137,18 @@ class OuterLoop:
         """One poll. With `min_deltas_per_round` N > 0 valid deltas wait (in memory, not in the ledger)
         until N are pending; `flush` (shutdown) applies the pending ones even below N."""
         start = time.perf_counter()
-        self._transient = False
+        self.intake.transient = False
         if self._unpublished:
             self.publish()
         revision = self.transport.revision()
-        listed = self._list_deltas(revision)  # 1
+        listed = self.intake.list(revision)  # 1
         live = {(f.path, getattr(f, "version", "")) for f in listed}
-        self._headers = {k: c for k, c in self._headers.items() if k in live}  # forget deleted/replaced files
-        candidates = [c for f in listed if (c := self._candidate(f, revision)) is not None]  # 2 (headers)
+        self.intake.headers = {
+            k: c for k, c in self.intake.headers.items() if k in live
+        }  # forget deleted/replaced files
+        candidates = [
+            c for f in listed if (c := self.intake.candidate(f, revision)) is not None
+        ]  # 2 (headers)
         ledger = self.state.ledger
         self._processed_paths = {
             c.path: (c.node_id, c.local_step) for c in candidates if c.identity in ledger
@@ -188,14 +159,14 @@ class OuterLoop:
         if candidates:
             self._last_new_delta = time.monotonic()
         result = RoundResult(outer_step=self.state.outer_step)
-        for node, step, tag, reason in self._refused:
+        for node, step, tag, reason in self.intake.refused:
             if (node, step, tag) not in ledger:
                 result.rejected.append(
                     LedgerEntry(node, step, tag, "rejected", self.state.outer_step, reason=reason)
                 )
                 log.warning("master: rejected delta %s@%s: %s", node, step, reason)
         for c in candidates:
-            tensors = self._download_and_validate(c, revision)  # 2 (payload) + 4
+            tensors = self.intake.download(c, revision)  # 2 (payload) + 4
             if isinstance(tensors, str):
                 staleness = self._staleness(c.meta.base_outer_step if c.meta else -1)
                 result.rejected.append(c.entry("rejected", self.state.outer_step, tensors, staleness))
@@ -257,111 +228,24 @@ class OuterLoop:
     def _take_round(self, flush: bool) -> list[tuple[Candidate, dict[str, torch.Tensor]]]:
         """The deltas of this round: every pending one once the quorum is met (or on `flush`), else none."""
         quorum = max(1, self.min_deltas_per_round)
-        if self._pending and len(self._pending) < quorum and not flush:
-            log.info(
-                "master: %d delta(s) pending, waiting for %d (min_deltas_per_round)", self.pending, quorum
-            )
         if not self._pending or (len(self._pending) < quorum and not flush):
+            if self._pending:
+                log.info(
+                    f"master: {self.pending} delta(s) pending, waiting for {quorum} (min_deltas_per_round)"
+                )
             return []
         valid = list(self._pending.values())
         self._pending.clear()
         return valid
 
     @property
+    def bytes_downloaded(self) -> int:
+        return self.intake.bytes_downloaded
+
+    @property
     def pending(self) -> int:
         """Validated deltas waiting for the quorum (`min_deltas_per_round`)."""
         return len(self._pending)
-
-    def _list_deltas(self, revision: str) -> list:
-        """The delta files to consider; files refused from their path alone (past the spec: a node
-        outside `collaborators`, a path-unsafe node directory) go to `self._refused` for the ledger."""
-        out, self._refused = [], []
-        for f in self.transport.list(NODES_DIR, revision):
-            parsed = parse_delta_path(f.path)
-            if parsed is None:
-                self._refuse_unsafe(f.path)
-            elif self.allowed is not None and parsed[0] not in self.allowed:
-                if parsed[0] not in self._ignored_nodes:
-                    self._ignored_nodes.add(parsed[0])
-                    log.warning("master: ignoring deltas of %r: not in distributed.collaborators", parsed[0])
-                # identity without the payload hash: a later master with a wider list still takes the delta
-                reason = "node is not in distributed.collaborators"
-                self._refused.append((parsed[0], parsed[1], "not-a-collaborator", reason))
-            else:
-                out.append(f)
-        return out
-
-    def _refuse_unsafe(self, path: str) -> None:
-        """nodes/<dir>/delta_<n>.safetensors whose <dir> is not a valid node id (e.g. '..', spaces)."""
-        parts = path.split("/")
-        if len(parts) < 3 or not parts[-1].startswith("delta_") or not parts[-1].endswith(".safetensors"):
-            return  # not shaped like a delta (a README, a stray file): ignored
-        step, node = parts[-1].removeprefix("delta_").removesuffix(".safetensors"), "/".join(parts[1:-1])
-        reason = f"path-unsafe node directory {node!r} in {path}"
-        self._refused.append((node, int(step) if step.isdigit() else -1, f"unsafe-path:{path}", reason))
-
-    def _candidate(self, f, revision: str) -> Candidate | None:
-        """The delta's identity from its path and header (the header only once per file version)."""
-        key = (f.path, getattr(f, "version", ""))
-        if key[1] and key in self._headers:
-            return self._headers[key]
-        c = self._read_candidate(f, revision)
-        if key[1] and c is not None:
-            self._headers[key] = c
-        return c
-
-    def _read_candidate(self, f, revision: str) -> Candidate | None:
-        node_id, local_step = parse_delta_path(f.path)  # type: ignore[misc]
-        if f.size > self.max_file_bytes:  # refused from the listing: not even its header is read
-            reason = f"file is {f.size} bytes, over the cap of {self.max_file_bytes} (max_file_bytes)"
-            return Candidate(f.path, node_id, local_step, f"oversized-{f.size}", reason=reason)
-        try:
-            header = self.transport.read_header(f.path, revision)
-        except InvalidTensorFile as err:  # no readable header, so no hash: identify it by its size
-            return Candidate(f.path, node_id, local_step, f"unreadable-{f.size}", reason=err.reason)
-        except RemoteNotFound:
-            return None
-        except TransportError as err:  # transient: try again next poll
-            log.warning("master: cannot read the header of %s (%s); will retry", f.path, err)
-            self._transient = True
-            return None
-        sha = header.metadata.get("payload_sha256", "")
-        if not sha:
-            return Candidate(
-                f.path, node_id, local_step, f"no-sha-{f.size}", reason="metadata has no payload_sha256"
-            )
-        try:
-            return Candidate(f.path, node_id, local_step, sha, DeltaMeta.from_header(header.metadata))
-        except InvalidTensorFile as err:
-            return Candidate(f.path, node_id, local_step, sha, reason=err.reason)
-
-    def _download_and_validate(self, c: Candidate, revision: str) -> dict[str, torch.Tensor] | str | None:
-        """The delta's tensors, a rejection reason (str), or None (transient failure: retried next poll)."""
-        if c.reason:
-            return c.reason
-        assert c.meta is not None
-        if (c.meta.node_id, c.meta.local_step) != (c.node_id, c.local_step):
-            return f"metadata says {c.meta.node_id}@{c.meta.local_step} but the path says {c.node_id}@{c.local_step}"
-        if c.meta.dtype != "float32":
-            return f"delta dtype is {c.meta.dtype}, expected float32"
-        try:
-            blob = self.transport.read(c.path, revision, max_bytes=self.max_file_bytes)
-        except FileTooLarge as err:
-            return f"{err} (max_file_bytes)"
-        except RemoteNotFound:
-            return None
-        except TransportError as err:
-            log.warning("master: cannot download %s (%s); will retry", c.path, err)
-            self._transient = True
-            return None
-        self.bytes_downloaded += len(blob)
-        try:
-            tensors, meta = decode(blob, max_bytes=self.max_file_bytes, expected=self._delta_layout)
-        except InvalidTensorFile as err:
-            return err.reason
-        if meta.get("payload_sha256") != c.sha256:
-            return "the file changed between its header and its download"
-        return tensors
 
     # ---- publication, state, notification
 
@@ -409,7 +293,7 @@ class OuterLoop:
             size = sum(t.numel() * t.element_size() for t in weights.values())
             index = {
                 "metadata": {"total_size": size},
-                "weight_map": {k: GLOBAL_WEIGHTS_PATH for k in weights},
+                "weight_map": dict.fromkeys(weights, GLOBAL_WEIGHTS_PATH),
             }
             files[HF_INDEX_PATH] = json.dumps(index, indent=1).encode()
         message = f"{self.node_id}: global outer step {outer_step}"
@@ -424,9 +308,7 @@ class OuterLoop:
         except TransportError as err:
             self._unpublished = True
             self.errors += 1
-            log.error(
-                "master: publishing outer step %d failed (%s); will retry at the next poll", outer_step, err
-            )
+            log.error(f"master: publishing outer step {outer_step} failed ({err}); retrying at the next poll")
             return False
         self._unpublished = False
         if LEASE_PATH in files:
@@ -435,9 +317,7 @@ class OuterLoop:
             self._processed_paths.pop(path, None)
         if delete:
             log.info(
-                "master: garbage-collected %d processed delta(s) (keep_deltas=%d)",
-                len(delete),
-                self.keep_deltas,
+                f"master: garbage-collected {len(delete)} processed delta(s), keep_deltas={self.keep_deltas}"
             )
         self._hf_config_written = self._hf_config_written or HF_CONFIG_PATH in files
         self.bytes_uploaded += sum(len(b) for b in files.values())
@@ -474,11 +354,8 @@ class OuterLoop:
     def heartbeat(self) -> None:
         """Renew the lease (a small write of its own) when no publication renewed it for lease_seconds/3;
         stop publishing (fenced) if another master holds a fresh lease."""
-        if (
-            self.lease_seconds <= 0
-            or self.fenced
-            or time.monotonic() - self._last_lease_write < self.lease_seconds / 3
-        ):
+        fresh = time.monotonic() - self._last_lease_write < self.lease_seconds / 3
+        if self.lease_seconds <= 0 or self.fenced or fresh:
             return
         try:
             if self._check_fence():
@@ -541,10 +418,10 @@ class OuterLoop:
         except Exception as err:  # never let the outer loop die: log, count, try again next poll
             self.errors += 1
             log.exception(
-                "master: outer round failed (%s); retrying in %ss", type(err).__name__, self.poll_interval
+                f"master: outer round failed ({type(err).__name__}); retrying in {self.poll_interval}s"
             )
             return False
-        return not self._transient and not self._unpublished
+        return not self.intake.transient and not self._unpublished
 
     def stop(self, drain_seconds: float = 0.0, timeout: float | None = None) -> bool:
         """Run a last round (and more while deltas keep arriving within `drain_seconds`), then stop.

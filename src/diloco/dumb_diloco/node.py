@@ -178,8 +178,7 @@ class Node:
                     "still in flight (its progress stays in the next cumulative delta)"
                 )
             else:
-                job = self._capture(local_step)  # 3
-                self._upload = (job, self._lanes["upload"].submit(self._send, job))  # 4
+                self._dispatch(self._capture(local_step))  # 3, 4
                 captured = True
         if boundary or self.clock() - self._last_poll >= self.s.poll_interval:
             self._last_poll = self.clock()
@@ -231,6 +230,9 @@ class Node:
         )
         path, delta = delta_path(self.s.node_id, local_step), carry.delta if carry is not None else None
         return DeltaJob(local_step, path, meta, steps, base, snapshot, carry=delta)
+
+    def _dispatch(self, job: DeltaJob) -> None:
+        self._upload = (job, self._lanes["upload"].submit(self._send, job))
 
     def _send(self, job: DeltaJob) -> int:
         """Step 4, on the upload lane: subtract, encode, write."""
