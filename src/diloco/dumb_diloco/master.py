@@ -22,7 +22,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 import torch
@@ -64,50 +64,42 @@ class RoundResult:
         return len({e.node_id for e in self.applied})
 
 
+@dataclass(eq=False)
 class OuterLoop:
     """Steps 1-10 of the outer loop over a `Transport`; `start()` runs them in a daemon thread."""
 
-    def __init__(
-        self,
-        transport: Transport,
-        state: MasterState,
-        *,
-        node_id: str,
-        collaborators: Iterable[str] = (),
-        outer_lr: float,
-        outer_momentum: float,
-        poll_interval: float,
-        state_dir: Path | None,
-        max_file_bytes: int,
-        on_snapshot: Callable[[GlobalSnapshot], None] = lambda snapshot: None,
-        hf_config: dict | None = None,
-        min_deltas_per_round: int = 0,
-        staleness_weighting: bool = False,
-        delayed_nesterov_period: int = 0,
-        publish_state: bool = True,
-        keep_deltas: int = 0,
-        lease_seconds: float = 0.0,
-        wall_clock: Callable[[], float] = time.time,
-        init_sha256: str | None = None,
-    ):
-        self.transport, self.state, self.node_id = transport, state, node_id
-        self.init_sha256 = init_sha256  # the master's initial weights, published for workers to compare
-        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
-        self.poll_interval, self.state_dir, self.max_file_bytes = poll_interval, state_dir, max_file_bytes
-        self.on_snapshot, self.hf_config = on_snapshot, hf_config
-        # quorum (past the spec): keep validated deltas pending until this many are there (0: the spec, >= 1)
-        self.min_deltas_per_round = min_deltas_per_round
-        self._pending: dict[tuple[str, int, str], tuple[Candidate, dict[str, torch.Tensor]]] = {}
-        self.staleness_weighting = staleness_weighting  # weight 1/(1+staleness), normalised (False: equal)
-        self.delayed_nesterov_period = delayed_nesterov_period  # 0: Nesterov SGD every step (the spec)
-        self.publish_state = publish_state  # ledger + momentum beside the global, in the same write
-        self.keep_deltas = keep_deltas  # GC: processed deltas kept per node (0: keep all, the spec)
+    transport: Transport
+    state: MasterState
+    _: KW_ONLY
+    node_id: str
+    outer_lr: float
+    outer_momentum: float
+    poll_interval: float
+    state_dir: Path | None
+    max_file_bytes: int
+    collaborators: Iterable[str] = ()  # the nodes whose deltas count (and the master's own); (): every node
+    on_snapshot: Callable[[GlobalSnapshot], None] = lambda snapshot: None
+    hf_config: dict | None = None
+    # past the spec, every default the spec's: a quorum of deltas per round, staleness weights
+    # 1/(1+staleness), delayed Nesterov, ledger + momentum published with the global, GC, the lease
+    min_deltas_per_round: int = 0
+    staleness_weighting: bool = False
+    delayed_nesterov_period: int = 0  # 0: Nesterov SGD every step
+    publish_state: bool = True
+    keep_deltas: int = 0  # processed deltas kept per node (0: keep all)
+    lease_seconds: float = 0.0  # 0: no lease
+    wall_clock: Callable[[], float] = time.time
+    init_sha256: str | None = None  # the master's initial weights, published for workers to compare
+
+    def __post_init__(self):
+        allowed = frozenset(self.collaborators) | {self.node_id} if self.collaborators else None
+        self.intake = Intake(
+            self.transport, delta_layout(self.state.published()), self.max_file_bytes, allowed
+        )
+        self._pending: dict[tuple[str, int, str], tuple[Candidate, dict[str, torch.Tensor]]] = {}  # quorum
         self._processed_paths: dict[str, tuple[str, int]] = {}  # path -> (node, step): processed, in the repo
-        self.lease_seconds, self.wall_clock = lease_seconds, wall_clock  # 0: no lease (the spec)
         self._last_lease_write = -math.inf
         self.fenced = ""  # non-empty: another master holds the lease; this one no longer publishes
-        allowed = frozenset(collaborators) | {node_id} if collaborators else None  # the master's own always
-        self.intake = Intake(transport, delta_layout(state.published()), max_file_bytes, allowed)
         self.lock = threading.Lock()  # guards `state` against checkpointing from the training thread
         self._unpublished = False  # the last round's publication failed: retry before the next round
         self._hf_config_written = False

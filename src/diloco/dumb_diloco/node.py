@@ -39,7 +39,8 @@ log = logging.getLogger("diloco.dumb_diloco")
 
 
 class _Inline:
-    """`async_*: false` (v1): a lane whose job runs on the training thread, at once."""
+    """`async_*: false` (v1): a lane whose job runs on the training thread, at once (hand-written:
+    concurrent.futures has no inline executor; this keeps one code path for v1 and v2)."""
 
     def submit(self, fn: Callable, *args) -> Future:
         future: Future = Future()
@@ -55,7 +56,7 @@ class _Inline:
 
 class _Snapshot(dict):
     """Model-dtype CPU copies that this node allocated (reusable once no baseline or job refers to
-    them); an installed global's tensors are never reused."""
+    them; reuse measured: scripts/bench_boundary.py); an installed global's tensors are never reused."""
 
 
 @dataclass
