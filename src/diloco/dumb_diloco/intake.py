@@ -123,7 +123,8 @@ class Intake:
             return c.reason
         assert c.meta is not None
         if (c.meta.node_id, c.meta.local_step) != (c.node_id, c.local_step):
-            return f"metadata says {c.meta.node_id}@{c.meta.local_step} but the path says {c.node_id}@{c.local_step}"
+            said, path = f"{c.meta.node_id}@{c.meta.local_step}", f"{c.node_id}@{c.local_step}"
+            return f"metadata says {said} but the path says {path}"
         if c.meta.dtype != "float32":
             return f"delta dtype is {c.meta.dtype}, expected float32"
         try:

@@ -197,7 +197,8 @@ class OuterLoop:
             self.on_snapshot(self.snapshot())  # 10
             result.seconds = time.perf_counter() - start
             log.info(
-                "master: outer step %d from %d delta(s) of %d node(s) (%s), |pseudo_grad| %.4g, %d rejected, %.2fs",
+                "master: outer step %d from %d delta(s) of %d node(s) (%s), |pseudo_grad| %.4g, %d rejected, "
+                "%.2fs",
                 *(result.outer_step, len(result.applied), result.num_peers),
                 ", ".join(f"{e.node_id}@{e.local_step}" for e in result.applied),
                 *(result.pseudo_grad_norm, len(result.rejected), result.seconds),
@@ -295,7 +296,8 @@ class OuterLoop:
             except TransportError:
                 if not delete:
                     raise
-                delete = []  # a delta to collect may be gone already (another master, a user): publish without GC
+                # a delta to collect may be gone already (another master, a user): publish without GC
+                delete = []
                 self.transport.write(files, message=message)
         except TransportError as err:
             self._unpublished = True

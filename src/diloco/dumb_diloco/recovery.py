@@ -188,7 +188,7 @@ class MasterState:
     ) -> None:
         """Step 6: `diloco.outer.OuterOptimizer` (torch's SGD-Nesterov; delayed Nesterov for a period > 1)
         on the float32 weights with `pseudo_grad` as their gradient. A fresh optimizer each round loads and
-        returns its buffers by name, so the state lives in one serialisable place. outer_step is the round's."""
+        returns its buffers by name, so the state lives in one serialisable place (outer_step: the caller)."""
         names = list(pseudo_grad)
         opt = OuterOptimizer(
             [self.weights[n] for n in names], lr=lr, momentum=momentum, delay_period=delay_period

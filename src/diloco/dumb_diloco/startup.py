@@ -81,7 +81,8 @@ class GlobalReader:
             tensors, meta = decode(blob, max_bytes=self.max_file_bytes, expected=self.layout)
             if meta.get("outer_step") != str(outer_step):
                 raise InvalidTensorFile(
-                    f"global file is outer step {meta.get('outer_step')!r} but step_count.json says {outer_step}"
+                    f"global file is outer step {meta.get('outer_step')!r} but step_count.json says "
+                    f"{outer_step}"
                 )
         except InvalidTensorFile as err:
             self.rejected.add((outer_step, sha))
@@ -196,9 +197,11 @@ def start_master(node: DumbDiLoCo) -> None:
         local = MasterState.load(node.state_dir)
     except (OSError, ValueError, InvalidTensorFile) as err:
         raise DumbDiLoCoError(f"master state in {node.state_dir} is unreadable: {err}") from None
-    for saved in (local, node.ckpt_master):
-        if saved is not None:
-            node.check_layout(saved.published(), f"the master state in {node.state_dir}")
+    saved = max(
+        (x for x in (local, node.ckpt_master) if x is not None), key=lambda x: x.outer_step, default=None
+    )
+    if saved is not None:  # the one recover() prefers
+        node.check_layout(saved.published(), f"the master state in {node.state_dir}")
     try:
         repo = node.fetch_global()
     except GlobalMismatch as err:

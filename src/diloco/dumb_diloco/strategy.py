@@ -44,7 +44,8 @@ class DumbDiLoCo(Node):
             return LocalTraining(ctx)
         if ctx.world_size > 1:
             raise ConfigError(
-                "distributed=dumb_diloco runs one process per node; start each node with plain `python -m diloco.train`"
+                "distributed=dumb_diloco runs one process per node; start each node with plain "
+                "`python -m diloco.train`"
             )
         if cfg.data.get("shard") is None:
             log.warning(
@@ -121,9 +122,10 @@ class DumbDiLoCo(Node):
         self._last_poll = self.clock()
         self.started = True
         upload, poll = ("async" if on else "sync" for on in (s.async_delta_upload, s.async_global_poll))
+        poll = "callback" if s.is_master else poll
         log.info(
-            f"node {s.node_id} ({s.role}, {upload} upload, {'callback' if s.is_master else poll} poll): starting "
-            f"from global outer step {self.installed_outer_step}, a delta every {s.inner_steps} steps"
+            f"node {s.node_id} ({s.role}, {upload} upload, {poll} poll): starting from global outer step "
+            f"{self.installed_outer_step}, a delta every {s.inner_steps} steps"
         )
 
     def summary(self) -> dict:
