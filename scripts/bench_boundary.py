@@ -1,11 +1,11 @@
 """Benchmark 2 (issue #7): how long DumbDiLoCo blocks the training thread at an inner boundary.
 
-A worker node (`diloco.dumb_diloco.coordinator.Coordinator`, the project's own code) on a shared-
+A worker node (`diloco.dumb_diloco.strategy.DumbDiLoCo`, the project's own code) on a shared-
 directory repository whose first global was published by a master (then stopped, so no new global
 arrives and nothing is installed: the boundary is snapshot, delta, enqueue). Its transport sits behind
 a link throttled to 10 MB/s or unlimited (`bench_common.ThrottledTransport`). Each measured boundary
 finds the uploader idle (the benchmark waits, untimed, for the previous upload to finish), so every
-measured boundary captures and dispatches a delta. The stall is the wall time of `Coordinator.on_step`
+measured boundary captures and dispatches a delta. The stall is the wall time of `Node.on_step`
 on the training thread (the coordinator's own `comm/boundary_stall_seconds` agrees).
 
 v2 (async_delta_upload: true, the default) must not depend on the link speed and must stay within
@@ -31,8 +31,9 @@ from pathlib import Path
 import bench_common as bc
 import torch
 
-from diloco.dumb_diloco import coordinator as coord_mod
-from diloco.dumb_diloco.coordinator import Coordinator, Settings
+from diloco.dumb_diloco import node as node_mod
+from diloco.dumb_diloco.settings import Settings
+from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.transport import DirectoryTransport
 
 TARGET = 1.5
@@ -56,7 +57,7 @@ class Params(torch.nn.Module):
 # the boundary before the one-copy change (commit 956d36f), kept as the contrast row
 
 
-class TwoCopyCoordinator(Coordinator):
+class TwoCopyCoordinator(DumbDiLoCo):
     """The v2 boundary as it was: the training thread computed the delta (reads baseline and weights,
     writes a fresh float32 delta) and then copied the weights into a fresh baseline."""
 
@@ -83,7 +84,7 @@ def publish_first_global(repo: Path, shapes, state_dir: Path) -> None:
         poll_interval=3600.0,
         publish_hf_config=False,
     )
-    master = Coordinator(Params(shapes), settings, DirectoryTransport(repo, keep_old_versions_s=0.0))
+    master = DumbDiLoCo(Params(shapes), settings, DirectoryTransport(repo, keep_old_versions_s=0.0))
     master.start()
     master.close()
 
@@ -102,14 +103,13 @@ class CopyFloor:
         return bc.measure(lambda: torch._foreach_copy_(self.dst, self.src), repeats=repeats, warmup=0)["min"]
 
 
-def wait_idle(c: Coordinator, timeout: float = 900.0) -> None:
-    lane = c._uploader
+def wait_idle(c: DumbDiLoCo, timeout: float = 900.0) -> None:
     deadline = time.monotonic() + timeout
-    while lane is not None and lane.busy and time.monotonic() < deadline:
+    while c.uploading and time.monotonic() < deadline:
         time.sleep(0.005)
 
 
-def phase_timers(c: Coordinator) -> dict[str, float]:
+def phase_timers(c: DumbDiLoCo) -> dict[str, float]:
     acc = {}
 
     def wrap(attr):
@@ -148,7 +148,7 @@ def bench_case(shapes, tmp: Path, version: str, bytes_per_s, args) -> dict:
         shutdown_timeout=900.0,
         publish_hf_config=False,
     )
-    cls = TwoCopyCoordinator if version == "before" else Coordinator
+    cls = TwoCopyCoordinator if version == "before" else DumbDiLoCo
     transport = bc.ThrottledTransport(DirectoryTransport(repo, keep_old_versions_s=0.0), bytes_per_s)
     c = cls(model, settings, transport)
     c.start()
@@ -205,7 +205,7 @@ def profile_capture(shapes, tmp: Path) -> list[dict]:
         role="worker", node_id="worker-1", repo_id=str(repo), inner_steps=1, poll_interval=3600.0,
         state_dir=str(state), startup_timeout=60.0, shutdown_timeout=900.0, publish_hf_config=False,
     )  # fmt: skip
-    c = Coordinator(model, settings, DirectoryTransport(repo, keep_old_versions_s=0.0))
+    c = DumbDiLoCo(model, settings, DirectoryTransport(repo, keep_old_versions_s=0.0))
     c.start()
     c.on_step(1)
     wait_idle(c)
@@ -306,7 +306,7 @@ def main(argv=None) -> int:
     for m, prof in profiles.items():
         tables[f"Where a v2 boundary's time goes: {m}, top ops (torch.profiler)"] = (prof, None)
     notes = [
-        "Stall: wall time of Coordinator.on_step on the training thread at a boundary that captures a delta "
+        "Stall: wall time of Node.on_step on the training thread at a boundary that captures a delta "
         f"(median of {args.repeats} after {args.warmup} warm-up); the uploader is idle when it starts.",
         "Floor: torch._foreach_copy_ of the model's state into buffers allocated beforehand, the fastest of 3 "
         "copies taken right before each measured boundary; x_floor is the median over boundaries of stall / floor.",
@@ -324,7 +324,7 @@ def main(argv=None) -> int:
         notes=notes,
         verdicts=verdicts,
         tables=tables,
-        extra={"details": details, "coordinator_module": coord_mod.__file__},
+        extra={"details": details, "node_module": node_mod.__file__},
     )
     return 0
 

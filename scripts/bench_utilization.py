@@ -152,7 +152,9 @@ def dumb_builder(bytes_per_s: float, repo: Path, state_dir: Path, h: int, poll: 
     """build_strategy for distributed=dumb_diloco (worker) whose transport is behind a slow link; a
     master (outer loop only, no training) is started first in this process with its own link."""
     import diloco.train as train_mod
-    from diloco.dumb_diloco import coordinator as coord_mod
+    from diloco.dumb_diloco import startup
+    from diloco.dumb_diloco.settings import Settings
+    from diloco.dumb_diloco.strategy import DumbDiLoCo
     from diloco.dumb_diloco.transport import DirectoryTransport
     from diloco.model import build_model
 
@@ -160,20 +162,20 @@ def dumb_builder(bytes_per_s: float, repo: Path, state_dir: Path, h: int, poll: 
     box = {}
 
     def build(cfg, ctx, model, optimizer):
-        settings = coord_mod.Settings(
+        settings = Settings(
             role="master", node_id="master-1", repo_id=str(repo), inner_steps=h, poll_interval=poll,
             state_dir=str(state_dir), publish_hf_config=False, shutdown_timeout=600.0,
         )  # fmt: skip
         link = bc.ThrottledTransport(DirectoryTransport(repo, keep_old_versions_s=60.0), bytes_per_s)
-        master = coord_mod.Coordinator(build_model(cfg.model, seed=cfg.seed), settings, link)
+        master = DumbDiLoCo(build_model(cfg.model, seed=cfg.seed), settings, link)
         master.start()
         box["master"] = master
-        real_open = coord_mod.open_transport
-        coord_mod.open_transport = lambda *a, **k: bc.ThrottledTransport(real_open(*a, **k), bytes_per_s)
+        real_open = startup.open_transport
+        startup.open_transport = lambda *a, **k: bc.ThrottledTransport(real_open(*a, **k), bytes_per_s)
         try:
             return original(cfg, ctx, model, optimizer)
         finally:
-            coord_mod.open_transport = real_open
+            startup.open_transport = real_open
 
     return build, box
 

@@ -22,7 +22,8 @@ from hydra import compose, initialize_config_dir
 from transformers import get_cosine_schedule_with_warmup
 
 from diloco.data import SequenceStream, eval_batches, load_tokenizer
-from diloco.dumb_diloco.coordinator import Coordinator, Settings
+from diloco.dumb_diloco.settings import Settings
+from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.transport import DirectoryTransport
 from diloco.model import build_model
 from diloco.train import evaluate
@@ -42,7 +43,7 @@ def run(cfg, tokenizer, batches, outer_lr: float, outer_momentum: float, rounds:
             poll_interval=1e9, outer_lr=outer_lr, outer_momentum=outer_momentum, async_delta_upload=False,
             async_global_poll=False, state_dir=str(root / "state"),
         )  # fmt: skip
-        coord = Coordinator(model, settings, repo)
+        coord = DumbDiLoCo(model, settings, repo)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
         sched = get_cosine_schedule_with_warmup(opt, 2, STEPS)
         nodes.append((model, coord, opt, sched, SequenceStream(cfg.data, tokenizer, "train", i, len(NODES))))

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import torch
 
-from diloco.dumb_diloco.coordinator import Coordinator, Settings
-from diloco.dumb_diloco.master import MasterState, OuterLoop
+from diloco.dumb_diloco.master import OuterLoop
+from diloco.dumb_diloco.recovery import MasterState
+from diloco.dumb_diloco.settings import Settings
+from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.tensor_format import (
     GLOBAL_STEP_PATH,
     GLOBAL_WEIGHTS_PATH,
@@ -141,8 +143,16 @@ def settings(repo: Path | str, role: str = "worker", node_id: str = "w1", **kw) 
 
 def publish(transport, state: dict[str, torch.Tensor], outer_step: int) -> None:
     """Publish a global exactly as the master does."""
-    loop = OuterLoop(transport, MasterState.from_model_state(state, outer_step), node_id="m", outer_lr=0.7,
-                     outer_momentum=0.9, poll_interval=1.0, state_dir=None, max_file_bytes=2**20)  # fmt: skip
+    loop = OuterLoop(
+        transport,
+        MasterState.from_model_state(state, outer_step),
+        node_id="m",
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        poll_interval=1.0,
+        state_dir=None,
+        max_file_bytes=2**20,
+    )
     loop.publish()
 
 
@@ -164,13 +174,19 @@ def put_delta(
 
 def worker(
     tmp_path: Path, model=None, initial=None, clock=None, spy=True, **kw
-) -> tuple[Coordinator, Spy, Tiny]:
-    """A started worker Coordinator on a directory repository that holds global outer step 0."""
+) -> tuple[DumbDiLoCo, Spy, Tiny]:
+    """A started worker DumbDiLoCo on a directory repository that holds global outer step 0."""
     repo = DirectoryTransport(tmp_path / "repo")
     model = model or Tiny()
     publish(repo, initial if initial is not None else model.state_dict(), 0)
     transport = Spy(repo) if spy else repo
-    coord = Coordinator(model, settings(tmp_path / "repo", **kw), transport, clock=clock or FakeClock(),
-                        tokens_per_step=64, samples_per_step=4)  # fmt: skip
+    coord = DumbDiLoCo(
+        model,
+        settings(tmp_path / "repo", **kw),
+        transport,
+        clock=clock or FakeClock(),
+        tokens_per_step=64,
+        samples_per_step=4,
+    )
     coord.start()
     return coord, transport, model

@@ -1,5 +1,6 @@
 """The shape of src/ (issue 11): modules small enough to read in one sitting, and no import cycles,
-counting function-local imports (a cycle hidden inside a function is still a cycle for the reader).
+counting function-local imports (a cycle hidden inside a function is still a cycle for the reader) but
+not `if TYPE_CHECKING:` ones (they never run).
 
     python tests/test_architecture.py     # prints every module's size and the import graph's cycles
 """
@@ -27,7 +28,16 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The project modules `name` imports anywhere in its file (top level or inside functions)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    type_only = {  # `if TYPE_CHECKING:` imports never run: annotations only, not a dependency at run time
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for n in ast.walk(block)
+    }
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):

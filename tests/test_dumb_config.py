@@ -14,7 +14,8 @@ from trainer_utils import compose_cfg, read_metrics, train
 
 from diloco.config import ConfigError, validate
 from diloco.distributed import DistContext, LocalTraining
-from diloco.dumb_diloco.coordinator import DumbDiLoCo, Settings
+from diloco.dumb_diloco.settings import Settings
+from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, decode
 from diloco.dumb_diloco.transport import DirectoryTransport
 

@@ -88,12 +88,21 @@ def run_nodes(tmp_path: Path, repo_id: str, mode: str, env: dict[str, str], time
     procs = []
     for i, (role, node_id) in reversed(list(enumerate(NODES))):
         cmd = [
-            sys.executable, str(Path(__file__).resolve()), str(tmp_path), *COMMON,
-            f"distributed.role={role}", f"distributed.node_id={node_id}", f"distributed.repo_id={repo_id}",
-            f"distributed.async_delta_upload={asyncio}", f"distributed.async_global_poll={asyncio}",
-            f"distributed.state_dir={tmp_path / 'state'}", f"data.shard={i}", f"data.num_shards={len(NODES)}",
-            f"out_dir={tmp_path / 'runs'}", f"run_name={node_id}",
-        ]  # fmt: skip
+            sys.executable,
+            str(Path(__file__).resolve()),
+            str(tmp_path),
+            *COMMON,
+            f"distributed.role={role}",
+            f"distributed.node_id={node_id}",
+            f"distributed.repo_id={repo_id}",
+            f"distributed.async_delta_upload={asyncio}",
+            f"distributed.async_global_poll={asyncio}",
+            f"distributed.state_dir={tmp_path / 'state'}",
+            f"data.shard={i}",
+            f"data.num_shards={len(NODES)}",
+            f"out_dir={tmp_path / 'runs'}",
+            f"run_name={node_id}",
+        ]
         if role == "master":
             # one last round is enough: it starts after the workers exited (see _run_node), so every delta
             # they uploaded is in the repository by then
@@ -168,8 +177,13 @@ def check_run(tmp_path: Path, transport) -> dict:
     summaries = {n: json.loads((tmp_path / "runs" / n / "summary.json").read_text()) for _, n in NODES}
     for s in summaries.values():
         assert s["status"] == "completed" and s["comm/uploads"] >= 1 and s["comm/total_bytes"] > 0
-    return {"deltas": len(deltas), "outer_steps": info["outer_step"], "initial": initial, "final": final,
-            "summaries": summaries}  # fmt: skip
+    return {
+        "deltas": len(deltas),
+        "outer_steps": info["outer_step"],
+        "initial": initial,
+        "final": final,
+        "summaries": summaries,
+    }
 
 
 def _report(name: str, seconds: float, r: dict) -> None:
@@ -229,16 +243,16 @@ def _run_node(rendezvous: Path, overrides: list[str]) -> None:
     """`python -m diloco.train <overrides>`, with the module docstring's two rendezvous."""
     import runpy
 
-    from diloco.dumb_diloco.coordinator import Coordinator, DumbDiLoCo
+    from diloco.dumb_diloco.strategy import DumbDiLoCo
 
     finish = DumbDiLoCo.finish
 
     def finish_after_the_workers(self):  # at the end of training; on the master, its last round follows
-        if self.coordinator.s.is_master:
+        if self.s.is_master:
             _wait_for((rendezvous / WORKERS_DONE).exists, "the workers to exit")
         return finish(self)
 
-    on_step = Coordinator.on_step
+    on_step = DumbDiLoCo.on_step
 
     def on_step_installing_at_the_end(self, local_step):
         if local_step == STEPS and not self.s.is_master and self.installed_outer_step < 1:
@@ -246,16 +260,15 @@ def _run_node(rendezvous: Path, overrides: list[str]) -> None:
             # in the repository, for the upload in flight (a busy uploader would skip the boundary), and
             # for a poll that started after it was published (v2; v1 polls at the boundary itself).
             _wait_for(lambda: _published_step(self.transport) >= 1, "the master's outer step 1")
-            if self._uploader is not None:
-                _wait_for(lambda: not self._uploader.busy, "the upload in flight")
-            if self._poller is not None:
-                _wait_for(lambda: not self._poller.busy, "the poll in flight")
-                assert self._poller.submit()
-                _wait_for(lambda: not self._poller.busy, "a poll of the newer global")
+            _wait_for(lambda: not self.uploading, "the upload in flight")
+            if self.s.async_global_poll:
+                _wait_for(lambda: not self.polling, "the poll in flight")
+                assert self._poll()
+                _wait_for(lambda: not self.polling, "a poll of the newer global")
         return on_step(self, local_step)
 
     DumbDiLoCo.finish = finish_after_the_workers
-    Coordinator.on_step = on_step_installing_at_the_end
+    DumbDiLoCo.on_step = on_step_installing_at_the_end
     sys.argv = [sys.argv[0], *overrides]
     runpy.run_module("diloco.train", run_name="__main__", alter_sys=True)
 

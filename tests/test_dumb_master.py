@@ -15,8 +15,9 @@ import pytest
 import torch
 from dumb_helpers import B0, LR, MU, W0, Spy, Tiny, g, put_delta, settings
 
-from diloco.dumb_diloco.coordinator import Coordinator
-from diloco.dumb_diloco.master import MasterState, OuterLoop, nesterov_outer_step
+from diloco.dumb_diloco.master import OuterLoop
+from diloco.dumb_diloco.recovery import MasterState
+from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.tensor_format import (
     GLOBAL_STEP_PATH,
     GLOBAL_WEIGHTS_PATH,
@@ -102,7 +103,7 @@ def test_step6_nesterov_over_rounds_matches_hand_computation_and_torch_sgd(setup
 
 def test_step6_plain_sgd_without_momentum(tmp_path):
     state = MasterState.from_model_state(Tiny().state_dict())
-    nesterov_outer_step(state, g(1.0), lr=1.0, momentum=0.0)
+    state.apply_outer_step(g(1.0), lr=1.0, momentum=0.0)
     assert torch.equal(state.weights["w"], W0 - 1.0) and state.momentum == {}
 
 
@@ -209,8 +210,16 @@ def test_step7_publication_failure_is_retried_at_the_next_poll(setup):
 def test_complex_and_bf16_entries_go_through_float32(tmp_path):
     model = Tiny(complex_param=True, bf16=True)
     repo = DirectoryTransport(tmp_path / "repo")
-    loop = OuterLoop(repo, MasterState.from_model_state(model.state_dict()), node_id="m", outer_lr=1.0,
-                     outer_momentum=0.0, poll_interval=1, state_dir=None, max_file_bytes=2**20)  # fmt: skip
+    loop = OuterLoop(
+        repo,
+        MasterState.from_model_state(model.state_dict()),
+        node_id="m",
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        poll_interval=1,
+        state_dir=None,
+        max_file_bytes=2**20,
+    )
     delta = g(1.0) | {"z": torch.ones(2, 2), "h": torch.full((3,), 0.5)}
     put_delta(repo, "a", 1, delta)
     assert loop.run_once().applied
@@ -233,8 +242,16 @@ def test_step9_saved_state_resumes_exactly(setup, tmp_path):
     assert torch.equal(saved.weights["w"], loop.state.weights["w"])
     assert torch.equal(saved.momentum["w"], loop.state.momentum["w"])
     # a master restarted from the saved state continues exactly like the uninterrupted one
-    restarted = OuterLoop(repo, saved, node_id="m", outer_lr=LR, outer_momentum=MU, poll_interval=1,
-                          state_dir=None, max_file_bytes=2**20)  # fmt: skip
+    restarted = OuterLoop(
+        repo,
+        saved,
+        node_id="m",
+        outer_lr=LR,
+        outer_momentum=MU,
+        poll_interval=1,
+        state_dir=None,
+        max_file_bytes=2**20,
+    )
     put_delta(repo, "a", 2, g(-1.0))
     assert [e.node_id for e in restarted.run_once().applied] == ["a"]  # a@1 and b@1 not re-applied
     loop.run_once()
@@ -272,7 +289,7 @@ def test_step10_training_thread_is_notified_with_a_snapshot(setup):
 def test_outer_thread_survives_errors_and_never_touches_the_live_model(tmp_path):
     model = Tiny()
     repo = Spy(DirectoryTransport(tmp_path / "repo"))
-    coord = Coordinator(
+    coord = DumbDiLoCo(
         model, settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05), repo
     )
     coord.start()
@@ -280,7 +297,7 @@ def test_outer_thread_survives_errors_and_never_touches_the_live_model(tmp_path)
     repo.fail_revisions = 2  # two rounds fail: logged, counted, the thread goes on
     wait_until(lambda: coord.outer.errors >= 2)
     put_delta(repo.inner, "w9", 3, g(1.0))  # only now: the thread went on after its errors
-    wait_until(lambda: coord._newest_known() >= 1)  # the outer loop notified the training thread
+    wait_until(lambda: coord.newest_known() >= 1)  # the outer loop notified the training thread
     # Hold the outer loop at its next round's first read, so that it cannot apply the master's own delta
     # of step 3 (uploaded at that boundary, before the install) and stage a newer global first.
     repo.hold_revisions = threading.Event()
@@ -298,8 +315,17 @@ def test_outer_thread_survives_errors_and_never_touches_the_live_model(tmp_path)
 
 def test_collaborators_is_an_allowlist(tmp_path, caplog):
     repo = DirectoryTransport(tmp_path / "repo")
-    loop = OuterLoop(repo, MasterState.from_model_state(Tiny().state_dict()), node_id="m", collaborators=["a"],
-                     outer_lr=1.0, outer_momentum=0.0, poll_interval=1, state_dir=None, max_file_bytes=2**20)  # fmt: skip
+    loop = OuterLoop(
+        repo,
+        MasterState.from_model_state(Tiny().state_dict()),
+        node_id="m",
+        collaborators=["a"],
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        poll_interval=1,
+        state_dir=None,
+        max_file_bytes=2**20,
+    )
     for node in ("a", "m", "intruder"):
         put_delta(repo, node, 1, g(1.0))
     result = loop.run_once()
@@ -313,7 +339,7 @@ def test_close_runs_a_last_round_and_drains_late_deltas(tmp_path):
     model = Tiny()
     repo = DirectoryTransport(tmp_path / "repo")
     s = settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05, drain_seconds=2.0)
-    coord = Coordinator(model, s, repo)
+    coord = DumbDiLoCo(model, s, repo)
     coord.start()
     last_round, late = coord.outer._last_round, []
 
@@ -332,9 +358,9 @@ def test_close_runs_a_last_round_and_drains_late_deltas(tmp_path):
 # ------------------------------------------------------------------ master start-up
 
 
-def _master(tmp_path, model=None, **kw) -> Coordinator:
+def _master(tmp_path, model=None, **kw) -> DumbDiLoCo:
     s = settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05, **kw)
-    coord = Coordinator(model or Tiny(), s, DirectoryTransport(tmp_path / "repo"))
+    coord = DumbDiLoCo(model or Tiny(), s, DirectoryTransport(tmp_path / "repo"))
     return coord
 
 
@@ -391,8 +417,16 @@ def test_master_prefers_the_newer_of_checkpoint_and_state_dir(tmp_path):
 
 def test_transient_write_errors_on_the_master_never_raise(tmp_path):
     repo = Spy(DirectoryTransport(tmp_path / "repo"))
-    loop = OuterLoop(repo, MasterState.from_model_state(Tiny().state_dict()), node_id="m", outer_lr=1.0,
-                     outer_momentum=0.0, poll_interval=1, state_dir=None, max_file_bytes=2**20)  # fmt: skip
+    loop = OuterLoop(
+        repo,
+        MasterState.from_model_state(Tiny().state_dict()),
+        node_id="m",
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        poll_interval=1,
+        state_dir=None,
+        max_file_bytes=2**20,
+    )
     repo.fail_writes = 3
     assert loop.publish() is False
     put_delta(repo.inner, "a", 1, g(1.0))
@@ -406,7 +440,7 @@ def test_transient_write_errors_on_the_master_never_raise(tmp_path):
 def test_master_refuses_a_repository_of_another_model_and_replaces_a_corrupt_global(tmp_path):
     from dumb_helpers import publish, publish_raw
 
-    from diloco.dumb_diloco.coordinator import DumbDiLoCoError
+    from diloco.dumb_diloco.settings import DumbDiLoCoError
 
     publish(DirectoryTransport(tmp_path / "repo"), Tiny(bf16=True).state_dict(), 3)
     with pytest.raises(DumbDiLoCoError, match="is not this model"):

@@ -89,9 +89,19 @@ def _transport(repo: str, create: bool):
 def _settings(repo: str, role: str, node_id: str, state_dir: str, **kw):
     from dumb_helpers import settings
 
-    return settings(Path(repo) if not repo.startswith("http") else Path("x"), role=role, node_id=node_id,
-                    inner_steps=H, poll_interval=0.05, state_dir=state_dir, startup_timeout=DEADLINE,
-                    shutdown_timeout=60, async_delta_upload=True, async_global_poll=True, **kw)  # fmt: skip
+    return settings(
+        Path(repo) if not repo.startswith("http") else Path("x"),
+        role=role,
+        node_id=node_id,
+        inner_steps=H,
+        poll_interval=0.05,
+        state_dir=state_dir,
+        startup_timeout=DEADLINE,
+        shutdown_timeout=60,
+        async_delta_upload=True,
+        async_global_poll=True,
+        **kw,
+    )
 
 
 def _wait_until(pred, what: str) -> None:
@@ -104,8 +114,19 @@ def _wait_until(pred, what: str) -> None:
         time.sleep(0.01)
 
 
-def proc_node(role: str, repo: str, node_id: str, state_dir: str, stop_file: str, steps: int, fail_every: int,
-              lease: float, seed: int, first_step: int = 0, pause_at: int = 0) -> None:  # fmt: skip
+def proc_node(
+    role: str,
+    repo: str,
+    node_id: str,
+    state_dir: str,
+    stop_file: str,
+    steps: int,
+    fail_every: int,
+    lease: float,
+    seed: int,
+    first_step: int = 0,
+    pause_at: int = 0,
+) -> None:
     """A node whose "optimizer step" moves every weight by a seeded random amount, every 10 ms, until
     `steps` steps or `stop_file` exists; then a bounded close. Prints its counters as JSON.
 
@@ -115,7 +136,8 @@ def proc_node(role: str, repo: str, node_id: str, state_dir: str, stop_file: str
     import torch
     from dumb_helpers import Tiny
 
-    from diloco.dumb_diloco.coordinator import Coordinator, DumbDiLoCoError
+    from diloco.dumb_diloco.settings import DumbDiLoCoError
+    from diloco.dumb_diloco.strategy import DumbDiLoCo
 
     torch.manual_seed(seed)
     # a restarted master opens the existing repository (the loopback Hub answers create_repo on an existing
@@ -124,7 +146,7 @@ def proc_node(role: str, repo: str, node_id: str, state_dir: str, stop_file: str
     if fail_every:
         transport = Flaky(transport, fail_every)
     kw = {"lease_seconds": lease} if role == "master" else {}
-    coord = Coordinator(Tiny(), _settings(repo, role, node_id, state_dir, **kw), transport, tokens_per_step=1)
+    coord = DumbDiLoCo(Tiny(), _settings(repo, role, node_id, state_dir, **kw), transport, tokens_per_step=1)
     try:
         coord.start()
     except DumbDiLoCoError as err:
@@ -138,15 +160,19 @@ def proc_node(role: str, repo: str, node_id: str, state_dir: str, stop_file: str
                 p.add_(torch.randn_like(p) * 0.01)
         coord.on_step(step)  # never raises, whatever the transport does
         if step - first_step == pause_at:
-            _wait_until(lambda: coord._uploader is None or not coord._uploader.busy, "the upload in flight")
+            _wait_until(lambda: not coord.uploading, "the upload in flight")
             Path(stop_file).with_name(f"{node_id}.paused").touch()
             _wait_until(Path(stop_file).with_name("go").exists, "the go file")
         time.sleep(0.01)
     coord.close()
-    out = {"steps": step - first_step, "uploads": coord.uploads, "upload_failures": coord.upload_failures,
-           "carry_steps": coord._carry.steps if coord._carry else 0,
-           "pending_steps": coord._steps_since_capture,  # after the last captured boundary: never uploaded
-           "injected": getattr(transport, "failures", 0)}  # fmt: skip
+    out = {
+        "steps": step - first_step,
+        "uploads": coord.uploads,
+        "upload_failures": coord.upload_failures,
+        "carry_steps": coord._carry.steps if coord._carry else 0,
+        "pending_steps": coord._steps_since_capture,  # after the last captured boundary: never uploaded
+        "injected": getattr(transport, "failures", 0),
+    }
     if coord.outer is not None:
         out |= {"outer_step": coord.outer.state.outer_step, "errors": coord.outer.errors}
     print(json.dumps(out), flush=True)
@@ -181,14 +207,44 @@ def proc_reader(repo: str, min_checks: int, min_steps: int) -> None:
 
 def _spawn(*args: str, log: Path) -> subprocess.Popen:
     env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
-    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *map(str, args)], cwd=TESTS,
-                            env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), *map(str, args)],
+        cwd=TESTS,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
-def node(tmp_path, role, repo, node_id, *, steps=10**6, fail_every=0, lease=0.0, seed=0, tag="", first_step=0,
-         pause_at=0):  # fmt: skip
-    return _spawn("node", role, repo, node_id, tmp_path / "state", tmp_path / "stop", steps, fail_every, lease,
-                  seed, first_step, pause_at, log=tmp_path / f"{node_id}{tag}.log")  # fmt: skip
+def node(
+    tmp_path,
+    role,
+    repo,
+    node_id,
+    *,
+    steps=10**6,
+    fail_every=0,
+    lease=0.0,
+    seed=0,
+    tag="",
+    first_step=0,
+    pause_at=0,
+):
+    return _spawn(
+        "node",
+        role,
+        repo,
+        node_id,
+        tmp_path / "state",
+        tmp_path / "stop",
+        steps,
+        fail_every,
+        lease,
+        seed,
+        first_step,
+        pause_at,
+        log=tmp_path / f"{node_id}{tag}.log",
+    )
 
 
 def finish(p: subprocess.Popen, log: Path, timeout: float = DEADLINE) -> dict:
@@ -225,7 +281,7 @@ def published_step(repo) -> int:
 
 def applied_nodes(repo) -> set[str]:
     """The nodes with at least one delta applied in the published ledger."""
-    from diloco.dumb_diloco.master import GLOBAL_LEDGER_PATH
+    from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH
     from diloco.dumb_diloco.transport import RemoteNotFound
 
     try:
@@ -251,13 +307,8 @@ def replay(repo, node_state) -> None:
     import torch
     from dumb_helpers import Tiny
 
-    from diloco.dumb_diloco.master import (
-        GLOBAL_LEDGER_PATH,
-        GLOBAL_MOMENTUM_PATH,
-        MasterState,
-        _average,
-        nesterov_outer_step,
-    )
+    from diloco.dumb_diloco.master import _average
+    from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, GLOBAL_MOMENTUM_PATH, MasterState
     from diloco.dumb_diloco.tensor_format import GLOBAL_WEIGHTS_PATH, decode, delta_path, parse_delta_path
 
     ledger = json.loads(repo.read(GLOBAL_LEDGER_PATH))
@@ -269,10 +320,13 @@ def replay(repo, node_state) -> None:
     assert all(e["staleness"] >= 0 for e in entries if e["status"] == "applied")
     state = MasterState.from_model_state(Tiny().state_dict())
     for step in range(1, ledger["outer_step"] + 1):
-        deltas = [decode(repo.read(delta_path(e["node_id"], e["local_step"])), max_bytes=2**20)[0]
-                  for e in entries if e["status"] == "applied" and e["outer_step"] == step]  # fmt: skip
+        deltas = [
+            decode(repo.read(delta_path(e["node_id"], e["local_step"])), max_bytes=2**20)[0]
+            for e in entries
+            if e["status"] == "applied" and e["outer_step"] == step
+        ]
         assert deltas, f"outer step {step} has no deltas in the ledger"
-        nesterov_outer_step(state, _average(deltas), 0.7, 0.9)
+        state.apply_outer_step(_average(deltas), 0.7, 0.9)
     weights, _ = decode(repo.read(GLOBAL_WEIGHTS_PATH), max_bytes=2**20)
     momentum, _ = decode(repo.read(GLOBAL_MOMENTUM_PATH), max_bytes=2**20)
     for k in ("w", "b"):
@@ -296,8 +350,11 @@ def test_master_killed_mid_run_and_restarted_continues_exactly(tmp_path, kind):
             lambda: all((tmp_path / f"w{i}.paused").exists() for i in (1, 2)), DEADLINE, "the workers' pause"
         )
         # mid-run: 4 outer steps (the master's own deltas keep coming) with deltas of both workers in them
-        wait_for(lambda: published_step(repo) >= 4 and applied_nodes(repo) >= {"w1", "w2"}, DEADLINE,
-                 "4 outer steps with both workers' deltas")  # fmt: skip
+        wait_for(
+            lambda: published_step(repo) >= 4 and applied_nodes(repo) >= {"w1", "w2"},
+            DEADLINE,
+            "4 outer steps with both workers' deltas",
+        )
         master.send_signal(signal.SIGKILL)  # no close, no last save: wherever it was
         master.wait()
         killed_at = published_step(repo)
@@ -331,15 +388,18 @@ def _repo(tmp_path, kind):
 
 @pytest.mark.slow
 def test_second_master_refuses_while_the_lease_is_fresh_then_takes_over(tmp_path):
-    from diloco.dumb_diloco.master import LEASE_PATH
+    from diloco.dumb_diloco.recovery import LEASE_PATH
     from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH
     from diloco.dumb_diloco.transport import DirectoryTransport
 
     repo_dir = str(tmp_path / "repo")
     lease = 2.0  # m1's lease, and the taking-over m2's
     first = node(tmp_path, "master", repo_dir, "m1", lease=lease)
-    wait_for(lambda: (tmp_path / "repo").exists() and published_step(DirectoryTransport(repo_dir)) >= 0, DEADLINE,
-             "the first master")  # fmt: skip
+    wait_for(
+        lambda: (tmp_path / "repo").exists() and published_step(DirectoryTransport(repo_dir)) >= 0,
+        DEADLINE,
+        "the first master",
+    )
     # A master counts a lease as fresh for the longer of the holder's lease_seconds and its own: 300 s here,
     # so m1's lease is fresh when m2 looks, however long a loaded machine delays m1's heartbeats.
     second = node(tmp_path, "master", repo_dir, "m2", lease=300, tag="-refused")
@@ -377,8 +437,11 @@ def test_transport_failing_every_third_call_never_stops_training(tmp_path):
 
     repo_dir = str(tmp_path / "repo")
     master = node(tmp_path, "master", repo_dir, "m", fail_every=3, seed=11)
-    wait_for(lambda: (tmp_path / "repo").exists() and published_step(DirectoryTransport(repo_dir)) >= 0, DEADLINE,
-             "the master")  # fmt: skip
+    wait_for(
+        lambda: (tmp_path / "repo").exists() and published_step(DirectoryTransport(repo_dir)) >= 0,
+        DEADLINE,
+        "the master",
+    )
     workers = [
         node(tmp_path, "worker", repo_dir, f"w{i}", steps=30, fail_every=3, seed=20 + i) for i in (1, 2)
     ]
@@ -431,7 +494,18 @@ if __name__ == "__main__":
     role, *rest = sys.argv[1:]
     if role == "node":
         r, repo, node_id, state_dir, stop, steps, fail_every, lease, seed, first, pause_at = rest
-        proc_node(r, repo, node_id, state_dir, stop, int(steps), int(fail_every), float(lease), int(seed),
-                  int(first), int(pause_at))  # fmt: skip
+        proc_node(
+            r,
+            repo,
+            node_id,
+            state_dir,
+            stop,
+            int(steps),
+            int(fail_every),
+            float(lease),
+            int(seed),
+            int(first),
+            int(pause_at),
+        )
     else:
         proc_reader(rest[0], int(rest[1]), int(rest[2]))

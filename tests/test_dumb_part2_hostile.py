@@ -12,7 +12,8 @@ import pytest
 import torch
 from dumb_helpers import LR, MU, W0, Tiny, g, put_delta
 
-from diloco.dumb_diloco.master import GLOBAL_LEDGER_PATH, MasterState, OuterLoop
+from diloco.dumb_diloco.master import OuterLoop
+from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, MasterState
 from diloco.dumb_diloco.tensor_format import DeltaMeta, delta_path, encode
 from diloco.dumb_diloco.transport import DirectoryTransport, RemoteFile
 
@@ -36,8 +37,17 @@ class Planted:
 
 def make(tmp_path, transport=None, **kw):
     repo = DirectoryTransport(tmp_path / "repo")
-    loop = OuterLoop(transport or repo, MasterState.from_model_state(Tiny().state_dict()), node_id="m",
-                     outer_lr=LR, outer_momentum=MU, poll_interval=1, state_dir=None, max_file_bytes=CAP, **kw)  # fmt: skip
+    loop = OuterLoop(
+        transport or repo,
+        MasterState.from_model_state(Tiny().state_dict()),
+        node_id="m",
+        outer_lr=LR,
+        outer_momentum=MU,
+        poll_interval=1,
+        state_dir=None,
+        max_file_bytes=CAP,
+        **kw,
+    )
     return loop, repo
 
 
@@ -111,8 +121,10 @@ def test_node_outside_collaborators_is_recorded_as_rejected(tmp_path, caplog):
 
 def test_path_unsafe_node_directory_planted_in_the_repo(tmp_path, caplog):
     repo = DirectoryTransport(tmp_path / "repo")
-    planted = Planted(repo, [RemoteFile("nodes/../delta_3.safetensors", 100),
-                             RemoteFile("nodes/a b/delta_3.safetensors", 100)])  # fmt: skip
+    planted = Planted(
+        repo,
+        [RemoteFile("nodes/../delta_3.safetensors", 100), RemoteFile("nodes/a b/delta_3.safetensors", 100)],
+    )
     loop, _ = make(tmp_path, transport=planted)
     put_delta(repo, "good", 3, g(2.0))
     result = loop.run_once()

@@ -11,15 +11,16 @@ import pytest
 import torch
 from dumb_helpers import Spy, Tiny, g, put_delta, settings
 
-from diloco.dumb_diloco.coordinator import Coordinator, DumbDiLoCoError
-from diloco.dumb_diloco.master import (
+from diloco.dumb_diloco.master import OuterLoop
+from diloco.dumb_diloco.recovery import (
     GLOBAL_LEDGER_PATH,
     GLOBAL_MOMENTUM_PATH,
     LEASE_PATH,
     MasterState,
-    OuterLoop,
     lease_holder,
 )
+from diloco.dumb_diloco.settings import DumbDiLoCoError
+from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, decode, delta_path
 from diloco.dumb_diloco.transport import DirectoryTransport
 
@@ -40,24 +41,43 @@ def wait_for_lease_expiry(transport) -> None:
     wait_until(lambda: time.time() - lease["heartbeat"] > lease["lease_seconds"])
 
 
-def master(tmp_path, node_id="m", state_dir=None, spy=False, **kw) -> Coordinator:
-    s = settings(tmp_path / "repo", role="master", node_id=node_id, poll_interval=0.05,
-                 state_dir=str(state_dir or tmp_path / "state"), **kw)  # fmt: skip
+def master(tmp_path, node_id="m", state_dir=None, spy=False, **kw) -> DumbDiLoCo:
+    s = settings(
+        tmp_path / "repo",
+        role="master",
+        node_id=node_id,
+        poll_interval=0.05,
+        state_dir=str(state_dir or tmp_path / "state"),
+        **kw,
+    )
     transport = DirectoryTransport(tmp_path / "repo")
-    return Coordinator(Tiny(), s, Spy(transport) if spy else transport)
+    return DumbDiLoCo(Tiny(), s, Spy(transport) if spy else transport)
 
 
 def test_global_step_ledger_momentum_and_lease_are_one_write(tmp_path):
     repo = Spy(DirectoryTransport(tmp_path / "repo"))
-    loop = OuterLoop(repo, MasterState.from_model_state(Tiny().state_dict()), node_id="m", outer_lr=0.7,
-                     outer_momentum=0.9, poll_interval=1, state_dir=None, max_file_bytes=2**20,
-                     lease_seconds=60)  # fmt: skip
+    loop = OuterLoop(
+        repo,
+        MasterState.from_model_state(Tiny().state_dict()),
+        node_id="m",
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        poll_interval=1,
+        state_dir=None,
+        max_file_bytes=2**20,
+        lease_seconds=60,
+    )
     put_delta(repo, "a", 3, g(1.0), base=0)
     loop.run_once()
     writes = [arg for op, arg, _ in repo.calls if op == "write" and GLOBAL_WEIGHTS_PATH in arg]
     assert len(writes) == 1
-    assert set(writes[0].split(",")) == {GLOBAL_WEIGHTS_PATH, GLOBAL_STEP_PATH, GLOBAL_LEDGER_PATH,
-                                         GLOBAL_MOMENTUM_PATH, LEASE_PATH}  # fmt: skip
+    assert set(writes[0].split(",")) == {
+        GLOBAL_WEIGHTS_PATH,
+        GLOBAL_STEP_PATH,
+        GLOBAL_LEDGER_PATH,
+        GLOBAL_MOMENTUM_PATH,
+        LEASE_PATH,
+    }
     step = json.loads(repo.read(GLOBAL_STEP_PATH))
     ledger = json.loads(repo.read(GLOBAL_LEDGER_PATH))
     assert (
@@ -87,10 +107,22 @@ def test_replacement_master_continues_exactly_from_the_repository(tmp_path):
     st = b.outer.state
     assert st.outer_step == 3  # w2@3 applied once; w1@3 and w1@6 not re-applied
     assert [(e.node_id, e.local_step, e.status) for e in st.ledger.entries()] == [
-        ("w1", 3, "applied"), ("w1", 6, "applied"), ("w2", 3, "applied")]  # fmt: skip
+        ("w1", 3, "applied"),
+        ("w1", 6, "applied"),
+        ("w2", 3, "applied"),
+    ]
     # exactly what the first master would have done with w2@3 (weights and momentum carried over)
-    ref = OuterLoop(DirectoryTransport(tmp_path / "repo"), before, node_id="m", outer_lr=0.7, outer_momentum=0.9,
-                    poll_interval=1, state_dir=None, max_file_bytes=2**20, publish_state=False)  # fmt: skip
+    ref = OuterLoop(
+        DirectoryTransport(tmp_path / "repo"),
+        before,
+        node_id="m",
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        poll_interval=1,
+        state_dir=None,
+        max_file_bytes=2**20,
+        publish_state=False,
+    )
     ref._pending.clear()
     for e in before.ledger.entries():
         assert e.status == "applied"
@@ -104,9 +136,17 @@ def test_replacement_master_continues_exactly_from_the_repository(tmp_path):
 
 def test_processed_deltas_beyond_keep_deltas_are_deleted_in_the_publication(tmp_path):
     repo = Spy(DirectoryTransport(tmp_path / "repo"))
-    loop = OuterLoop(repo, MasterState.from_model_state(Tiny().state_dict()), node_id="m", outer_lr=0.7,
-                     outer_momentum=0.9, poll_interval=1, state_dir=None, max_file_bytes=2**20,
-                     keep_deltas=1)  # fmt: skip
+    loop = OuterLoop(
+        repo,
+        MasterState.from_model_state(Tiny().state_dict()),
+        node_id="m",
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        poll_interval=1,
+        state_dir=None,
+        max_file_bytes=2**20,
+        keep_deltas=1,
+    )
     for step in (3, 6, 9):
         put_delta(repo, "a", step, g(0.1))
         put_delta(repo, "b", step, g(0.2))
@@ -125,9 +165,17 @@ def test_processed_deltas_beyond_keep_deltas_are_deleted_in_the_publication(tmp_
 
 def test_gc_never_blocks_a_publication(tmp_path):
     repo = DirectoryTransport(tmp_path / "repo")
-    loop = OuterLoop(repo, MasterState.from_model_state(Tiny().state_dict()), node_id="m", outer_lr=0.7,
-                     outer_momentum=0.9, poll_interval=1, state_dir=None, max_file_bytes=2**20,
-                     keep_deltas=1)  # fmt: skip
+    loop = OuterLoop(
+        repo,
+        MasterState.from_model_state(Tiny().state_dict()),
+        node_id="m",
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        poll_interval=1,
+        state_dir=None,
+        max_file_bytes=2**20,
+        keep_deltas=1,
+    )
     put_delta(repo, "a", 3, g(0.1))
     loop.run_once()
     put_delta(repo, "a", 6, g(0.1))
@@ -184,7 +232,7 @@ def test_a_master_whose_lease_was_taken_stops_publishing(tmp_path):
 
 
 def test_lease_config_keys():
-    from diloco.dumb_diloco.coordinator import Settings
+    from diloco.dumb_diloco.settings import Settings
 
     s = Settings.from_config({"role": "master", "node_id": "m", "repo_id": "o/r"})
     assert (s.lease_seconds, s.keep_deltas, s.publish_master_state) == (300, 0, True)
@@ -192,8 +240,16 @@ def test_lease_config_keys():
 
 def test_processed_deltas_are_recognised_without_reading_them_again(tmp_path):
     repo = Spy(DirectoryTransport(tmp_path / "repo"))
-    loop = OuterLoop(repo, MasterState.from_model_state(Tiny().state_dict()), node_id="m", outer_lr=0.7,
-                     outer_momentum=0.9, poll_interval=1, state_dir=None, max_file_bytes=2**20)  # fmt: skip
+    loop = OuterLoop(
+        repo,
+        MasterState.from_model_state(Tiny().state_dict()),
+        node_id="m",
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        poll_interval=1,
+        state_dir=None,
+        max_file_bytes=2**20,
+    )
     put_delta(repo, "a", 3, g(1.0))
     loop.run_once()
     headers, reads = repo.count("read_header"), repo.count("read")
@@ -206,9 +262,17 @@ def test_processed_deltas_are_recognised_without_reading_them_again(tmp_path):
 
 def test_a_long_round_checks_the_lease_before_publishing(tmp_path):
     repo = DirectoryTransport(tmp_path / "repo")
-    loop = OuterLoop(repo, MasterState.from_model_state(Tiny().state_dict()), node_id="m", outer_lr=0.7,
-                     outer_momentum=0.9, poll_interval=1, state_dir=None, max_file_bytes=2**20,
-                     lease_seconds=60)  # fmt: skip
+    loop = OuterLoop(
+        repo,
+        MasterState.from_model_state(Tiny().state_dict()),
+        node_id="m",
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        poll_interval=1,
+        state_dir=None,
+        max_file_bytes=2**20,
+        lease_seconds=60,
+    )
     assert loop.publish()  # takes the lease
     # the round took longer than lease_seconds/2 and another master took over meanwhile
     repo.write(

@@ -7,8 +7,10 @@ import pytest
 import torch
 from dumb_helpers import B0, LR, MU, W0, Tiny, g, put_delta, settings
 
-from diloco.dumb_diloco.coordinator import Coordinator, Settings
-from diloco.dumb_diloco.master import MasterState, OuterLoop
+from diloco.dumb_diloco.master import OuterLoop
+from diloco.dumb_diloco.recovery import MasterState
+from diloco.dumb_diloco.settings import Settings
+from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.transport import DirectoryTransport
 
 pytestmark = pytest.mark.usefixtures("no_network")
@@ -16,9 +18,17 @@ pytestmark = pytest.mark.usefixtures("no_network")
 
 def make_loop(tmp_path, state: MasterState | None = None, **kw) -> tuple[OuterLoop, DirectoryTransport]:
     repo = DirectoryTransport(tmp_path / "repo")
-    loop = OuterLoop(repo, state or MasterState.from_model_state(Tiny().state_dict()), node_id="m",
-                     outer_lr=LR, outer_momentum=MU, poll_interval=0.05, state_dir=tmp_path / "state",
-                     max_file_bytes=2**20, **kw)  # fmt: skip
+    loop = OuterLoop(
+        repo,
+        state or MasterState.from_model_state(Tiny().state_dict()),
+        node_id="m",
+        outer_lr=LR,
+        outer_momentum=MU,
+        poll_interval=0.05,
+        state_dir=tmp_path / "state",
+        max_file_bytes=2**20,
+        **kw,
+    )
     loop.publish()
     return loop, repo
 
@@ -56,9 +66,17 @@ def test_pending_deltas_are_found_again_by_a_restarted_master(tmp_path):
     assert loop.pending == 1
     loop.save_state()
     # the master dies with one delta pending (in memory only): a new one finds it in the repository
-    again = OuterLoop(repo, MasterState.load(tmp_path / "state"), node_id="m", outer_lr=LR, outer_momentum=MU,
-                      poll_interval=0.05, state_dir=tmp_path / "state", max_file_bytes=2**20,
-                      min_deltas_per_round=2)  # fmt: skip
+    again = OuterLoop(
+        repo,
+        MasterState.load(tmp_path / "state"),
+        node_id="m",
+        outer_lr=LR,
+        outer_momentum=MU,
+        poll_interval=0.05,
+        state_dir=tmp_path / "state",
+        max_file_bytes=2**20,
+        min_deltas_per_round=2,
+    )
     put_delta(repo, "b", 5, g(3.0))
     r = again.run_once()
     assert sorted(e.node_id for e in r.applied) == ["a", "b"]
@@ -73,7 +91,7 @@ def test_flush_and_shutdown_apply_pending_deltas_below_the_quorum(tmp_path):
     # through the coordinator: close() applies what is still pending
     model = Tiny()
     s = settings(tmp_path / "repo2", role="master", node_id="m", poll_interval=0.05, min_deltas_per_round=4)
-    coord = Coordinator(model, s, DirectoryTransport(tmp_path / "repo2"))
+    coord = DumbDiLoCo(model, s, DirectoryTransport(tmp_path / "repo2"))
     coord.start()
     put_delta(coord.transport, "x", 3, g(1.0))
     put_delta(coord.transport, "y", 3, g(2.0))
@@ -104,8 +122,12 @@ def test_staleness_is_recorded_for_every_delta(tmp_path):
     put_delta(repo, "c", 5, {"w": torch.zeros(3)}, base=0)  # rejected: wrong shape
     loop.run_once()  # step 1 -> 2
     st = {(e.node_id, e.local_step): (e.status, e.staleness) for e in loop.state.ledger.entries()}
-    assert st == {("a", 5): ("applied", 0), ("a", 10): ("applied", 0), ("b", 5): ("applied", 1),
-                  ("c", 5): ("rejected", 1)}  # fmt: skip
+    assert st == {
+        ("a", 5): ("applied", 0),
+        ("a", 10): ("applied", 0),
+        ("b", 5): ("applied", 1),
+        ("c", 5): ("rejected", 1),
+    }
 
 
 # ------------------------------------------------------------------ staleness weighting
@@ -174,17 +196,28 @@ def test_delayed_nesterov_with_period_1_is_torch_nesterov(tmp_path):
 
 
 def test_config_switches_reach_the_outer_loop(tmp_path):
-    s = settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05, staleness_weighting=True,
-                 delayed_nesterov=True, delayed_nesterov_period=3, min_deltas_per_round=2)  # fmt: skip
-    coord = Coordinator(Tiny(), s, DirectoryTransport(tmp_path / "repo"))
+    s = settings(
+        tmp_path / "repo",
+        role="master",
+        node_id="m",
+        poll_interval=0.05,
+        staleness_weighting=True,
+        delayed_nesterov=True,
+        delayed_nesterov_period=3,
+        min_deltas_per_round=2,
+    )
+    coord = DumbDiLoCo(Tiny(), s, DirectoryTransport(tmp_path / "repo"))
     coord.start()
     try:
         o = coord.outer
         assert (o.staleness_weighting, o.delayed_nesterov_period, o.min_deltas_per_round) == (True, 3, 2)
     finally:
         coord.close()
-    off = Coordinator(Tiny(), settings(tmp_path / "r2", role="master", node_id="m", delayed_nesterov_period=3),
-                      DirectoryTransport(tmp_path / "r2"))  # fmt: skip
+    off = DumbDiLoCo(
+        Tiny(),
+        settings(tmp_path / "r2", role="master", node_id="m", delayed_nesterov_period=3),
+        DirectoryTransport(tmp_path / "r2"),
+    )
     off.start()
     try:
         assert off.outer.delayed_nesterov_period == 0 and not off.outer.staleness_weighting  # the spec's

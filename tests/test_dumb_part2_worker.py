@@ -10,7 +10,8 @@ import pytest
 import torch
 from dumb_helpers import FakeClock, Tiny, nudge, publish, settings, worker
 
-from diloco.dumb_diloco.coordinator import Coordinator, DumbDiLoCoError
+from diloco.dumb_diloco.settings import DumbDiLoCoError
+from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.tensor_format import decode, delta_path
 from diloco.dumb_diloco.transport import DirectoryTransport
 
@@ -24,7 +25,7 @@ def read_delta(transport, node_id, step):
 def step(coord, i):
     coord.on_step(i)
     deadline = time.monotonic() + 60
-    while coord._uploader is not None and coord._uploader.busy:  # v2: no boundary skipped for a busy uploader
+    while coord.uploading:  # v2: no boundary skipped for a busy uploader
         assert time.monotonic() < deadline, "the upload never finished"
         time.sleep(0.01)
 
@@ -56,9 +57,16 @@ def test_resumed_worker_sends_the_delta_of_an_uninterrupted_one(tmp_path, v2):
     coord.close()
     model2 = Tiny()
     model2.load_state_dict(ckpt["model"])
-    again = Coordinator(model2, settings(tmp_path / "run" / "repo", **kw), DirectoryTransport(tmp_path / "run" / "repo"),
-                        clock=FakeClock(), tokens_per_step=64, samples_per_step=4)  # fmt: skip
+    again = DumbDiLoCo(
+        model2,
+        settings(tmp_path / "run" / "repo", **kw),
+        DirectoryTransport(tmp_path / "run" / "repo"),
+        clock=FakeClock(),
+        tokens_per_step=64,
+        samples_per_step=4,
+    )
     again.load_state_dict(ckpt["strategy"])
+    again.start()
     for i, x in enumerate(steps[6:], 7):
         nudge(model2, x)
         step(again, i)
@@ -81,8 +89,9 @@ def test_resume_keeps_a_newer_global_for_the_next_boundary(tmp_path):
     publish(repo, newer, 1)  # published while the node was down
     model2 = Tiny()
     model2.load_state_dict(ckpt["model"])
-    again = Coordinator(model2, settings(tmp_path / "repo", inner_steps=3), repo, clock=FakeClock())
+    again = DumbDiLoCo(model2, settings(tmp_path / "repo", inner_steps=3), repo, clock=FakeClock())
     again.load_state_dict(ckpt["strategy"])
+    again.start()
     nudge(model2, 0.25)
     again.on_step(2)
     assert again.installed_outer_step == 0 and torch.equal(
@@ -116,6 +125,6 @@ def test_bounded_shutdown_reports_the_delta_it_could_not_upload(tmp_path, caplog
     coord.close()
     # close() gave up after shutdown_timeout: the write is still blocked, and waiting for it would have
     # taken the blocked write's 60 s (the bound leaves a loaded machine all the rest)
-    assert coord._uploader.busy and time.monotonic() - t0 < 30
+    assert coord.uploading and time.monotonic() - t0 < 30
     assert "nodes/w1/delta_1.safetensors (1 step(s)) was still uploading" in caplog.text
     repo.block_writes.set()

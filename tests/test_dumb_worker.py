@@ -14,7 +14,8 @@ import pytest
 import torch
 from dumb_helpers import FakeClock, Tiny, nudge, publish, publish_raw, settings, worker
 
-from diloco.dumb_diloco.coordinator import Coordinator, DumbDiLoCo, DumbDiLoCoError
+from diloco.dumb_diloco.settings import DumbDiLoCoError
+from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.tensor_format import GLOBAL_WEIGHTS_PATH, DeltaMeta, decode, delta_path
 from diloco.dumb_diloco.transport import DirectoryTransport
 
@@ -201,7 +202,8 @@ def test_step7_reset_is_off_when_configured_off(tmp_path):
 def test_step7_strategy_clears_the_inner_optimizer(tmp_path):
     coord, repo, model = worker(tmp_path)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    strategy = DumbDiLoCo(coord, opt)
+    strategy = coord  # the node is the trainer's strategy
+    coord.optimizer = opt
     model(torch.ones(1, 2)).sum().backward()
     opt.step()
     assert opt.state
@@ -231,7 +233,7 @@ def test_v2_boundary_with_upload_in_flight_is_skipped_and_nothing_is_lost(tmp_pa
             coord.on_step(step)
     assert coord.skipped_boundaries == 1 and "skipped" in caplog.text
     repo.block_writes.set()
-    _wait(lambda: not coord._uploader.busy)
+    _wait(lambda: not coord.uploading)
     for step in (7, 8, 9):
         nudge(model, 0.5)
         coord.on_step(step)
@@ -255,7 +257,7 @@ def test_v2_failed_upload_is_carried_even_across_an_install(tmp_path):
     publish(repo.inner, new, 1)
     coord.on_step(1), coord.on_step(2)
     assert coord.on_step(3).installed  # captured (job enqueued), then installed
-    _wait(lambda: not coord._uploader.busy)
+    _wait(lambda: not coord.uploading)
     nudge(model, 0.25)
     coord.on_step(4), coord.on_step(5), coord.on_step(6)
     coord.close()
@@ -284,7 +286,7 @@ def test_v2_reused_snapshot_buffers_give_exact_deltas_across_installs_and_failur
             new = {k: t + 2 if t.is_floating_point() else t for k, t in model.state_dict().items()}
             publish(repo.inner, new, 1)
         installed = coord.on_step(step).installed
-        _wait(lambda: not coord._uploader.busy)
+        _wait(lambda: not coord.uploading)
         coord._collect_lanes()
         buffers.add(id(coord._baseline)) if not installed else None
         carry = want if step == 4 else None
@@ -309,7 +311,7 @@ def test_v2_polls_in_the_background_and_installs_on_the_training_thread(tmp_path
     repo.calls.clear()
     clock.advance(2.0)
     coord.on_step(1)  # asks the poll lane
-    _wait(lambda: not coord._poller.busy)
+    _wait(lambda: not coord.polling)
     coord.on_step(2)  # collects the staged global, does not install it
     assert not torch.equal(model.w.detach(), new["w"])
     installed = coord.on_step(3).installed
@@ -341,7 +343,7 @@ def test_worker_waits_for_the_first_global_and_installs_it(tmp_path):
         waits.append(seconds)
 
     s = settings(tmp_path / "repo", poll_interval=0.05, startup_timeout=60)
-    coord = Coordinator(model, s, repo, sleep=sleep)
+    coord = DumbDiLoCo(model, s, repo, sleep=sleep)
     coord.start()
     assert waits == [0.05]  # it waited one poll_interval, then found and installed the global
     assert coord.installed_outer_step == 4
@@ -349,7 +351,7 @@ def test_worker_waits_for_the_first_global_and_installs_it(tmp_path):
 
 
 def test_worker_without_a_master_fails_with_a_clear_error(tmp_path):
-    coord = Coordinator(Tiny(), settings(tmp_path / "nothing-here", startup_timeout=0.3, poll_interval=0.05))
+    coord = DumbDiLoCo(Tiny(), settings(tmp_path / "nothing-here", startup_timeout=0.3, poll_interval=0.05))
     with pytest.raises(
         DumbDiLoCoError, match=r"no global model in .*start the master \(distributed.role=master\)"
     ):
@@ -362,7 +364,7 @@ def test_state_dict_is_loadable_with_weights_only(tmp_path):
         coord.on_step(step)
     torch.save(coord.state_dict(), tmp_path / "s.pt")
     state = torch.load(tmp_path / "s.pt", weights_only=True)
-    other = Coordinator(Tiny(), settings(tmp_path / "repo"), repo)
+    other = DumbDiLoCo(Tiny(), settings(tmp_path / "repo"), repo)
     other.load_state_dict(state)
     assert other.uploads == 1 and other.bytes_uploaded == coord.bytes_uploaded
     summary = coord.summary()
@@ -373,13 +375,13 @@ def test_a_global_of_another_model_fails_fast_a_corrupt_one_is_waited_out(tmp_pa
     repo = DirectoryTransport(tmp_path / "repo")
     publish(repo, Tiny(complex_param=True).state_dict(), 0)  # a different model
     waits = []
-    coord = Coordinator(Tiny(), settings(tmp_path / "repo", startup_timeout=30), repo, sleep=waits.append)
+    coord = DumbDiLoCo(Tiny(), settings(tmp_path / "repo", startup_timeout=30), repo, sleep=waits.append)
     with pytest.raises(DumbDiLoCoError, match="is not this model .*same model config"):
         coord.connect()
     assert waits == []  # at the first look, without waiting for a better one
     bad = DirectoryTransport(tmp_path / "bad")
     publish_raw(bad, {**Tiny().state_dict(), "w": torch.full((2, 2), float("nan"))}, 0)
-    waiting = Coordinator(Tiny(), settings(tmp_path / "bad", startup_timeout=0.3, poll_interval=0.05), bad)
+    waiting = DumbDiLoCo(Tiny(), settings(tmp_path / "bad", startup_timeout=0.3, poll_interval=0.05), bad)
     with pytest.raises(DumbDiLoCoError, match="NaN or Inf"):
         waiting.connect()  # waited for a valid one, then said why it gave up
 
@@ -387,11 +389,20 @@ def test_a_global_of_another_model_fails_fast_a_corrupt_one_is_waited_out(tmp_pa
 def test_num_peers_comes_from_the_installed_round(tmp_path):
     from dumb_helpers import put_delta
 
-    from diloco.dumb_diloco.master import MasterState, OuterLoop
+    from diloco.dumb_diloco.master import OuterLoop
+    from diloco.dumb_diloco.recovery import MasterState
 
     coord, repo, model = worker(tmp_path)
-    loop = OuterLoop(repo.inner, MasterState.from_model_state(model.state_dict()), node_id="m", outer_lr=0.1,
-                     outer_momentum=0.0, poll_interval=1, state_dir=None, max_file_bytes=2**20)  # fmt: skip
+    loop = OuterLoop(
+        repo.inner,
+        MasterState.from_model_state(model.state_dict()),
+        node_id="m",
+        outer_lr=0.1,
+        outer_momentum=0.0,
+        poll_interval=1,
+        state_dir=None,
+        max_file_bytes=2**20,
+    )
     for node in ("a", "b", "c"):
         put_delta(repo.inner, node, 3, {"w": torch.ones(2, 2), "b": torch.ones(2)})
     loop.run_once()
@@ -405,14 +416,14 @@ def test_num_peers_comes_from_the_installed_round(tmp_path):
 def test_a_worker_built_with_other_initial_weights_than_the_master_refuses_to_join(tmp_path):
     """The master publishes the SHA-256 of the weights it was built with beside every global; a worker
     whose own differ (another seed, model config or transformers version) stops, naming both."""
-    master = Coordinator(Tiny(), settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05))
+    master = DumbDiLoCo(Tiny(), settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.05))
     master.start()
     try:
-        same = Coordinator(Tiny(), settings(tmp_path / "repo", node_id="w1"))
+        same = DumbDiLoCo(Tiny(), settings(tmp_path / "repo", node_id="w1"))
         same.connect()  # same initial weights: joins
         other_model = Tiny()
         nudge(other_model, 1e-3)  # same shapes, other values
-        other = Coordinator(other_model, settings(tmp_path / "repo", node_id="w2"))
+        other = DumbDiLoCo(other_model, settings(tmp_path / "repo", node_id="w2"))
         with pytest.raises(DumbDiLoCoError, match="initial weights differ from the master's") as err:
             other.connect()
         assert master.init_sha256 in str(err.value) and other.init_sha256 in str(err.value)

@@ -60,7 +60,7 @@ def test_mode_defaults_are_written_once_in_the_schema(mode):
 
 
 def test_the_dumb_diloco_runtime_settings_take_their_defaults_from_the_schema():
-    from diloco.dumb_diloco.coordinator import Settings
+    from diloco.dumb_diloco.settings import Settings
 
     s = Settings(node_id="n1", repo_id="/tmp/r")
     for name, value in OmegaConf.to_container(OmegaConf.structured(schema.DumbDiLoCoConfig)).items():

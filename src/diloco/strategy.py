@@ -16,7 +16,7 @@
 
 `num_workers` is how many workers' samples one step stands for (effective_step, tokens_seen).
 Implementations: LocalTraining and DataParallel (distributed.py), DiLoCo (diloco.py), DumbDiLoCo
-(dumb_diloco/node.py). docs/architecture.md draws the whole data flow.
+(dumb_diloco/strategy.py). docs/architecture.md draws the whole data flow.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def build_strategy(cfg: DictConfig, ctx: DistContext, model, optimizer):
 
         return DiLoCo.from_config(cfg.distributed, ctx, model, optimizer)
     if mode == "dumb_diloco":
-        from diloco.dumb_diloco.coordinator import DumbDiLoCo
+        from diloco.dumb_diloco.strategy import DumbDiLoCo
 
         return DumbDiLoCo.from_config(cfg, ctx, model, optimizer)
     raise ConfigError(f"distributed.mode must be none, ddp, diloco or dumb_diloco, got {mode!r}")
@@ -181,7 +181,11 @@ def run(cfg: DictConfig) -> int:
         step = int(state["step"])
         clock.resume(float(state["wall_seconds"]), float(state.get("inner_seconds", 0.0)))
         log.info("resumed from %s at step %d", ckpt_dir, step)
-    strategy.start()  # after the restore: connect, start background threads
+    try:
+        strategy.start()  # after the restore: connect, start background threads
+    except BaseException:
+        strategy.close()  # whatever start() began (a lane, a master thread) ends with it
+        raise
     logger = RunLogger(
         run_dir, resolved, cfg.wandb, enabled=ctx.is_main, resume_step=step if ckpt_dir else None
     )

@@ -1,0 +1,411 @@
+"""A DumbDiLoCo node (master or worker): the seven steps after each optimizer step, and its two lanes.
+
+After each optimizer step (1) `Node.on_step` receives the local step (2); at a boundary
+(local_step % inner_steps == 0) it takes the cumulative pseudo-gradient float32(baseline) -
+float32(weights), plus any delta whose upload failed (3), uploads it as
+nodes/<node_id>/delta_<local_step>.safetensors (4), polls for a newer global (5; between boundaries at
+most once per poll_interval), installs a compatible one (6) and tells the trainer to reset its inner
+optimizer (7). Invariants: no local progress is lost (a failed upload is carried into the next delta);
+a global is installed only right after a boundary captured the progress; the training thread copies
+the weights once per boundary, the upload lane subtracts/encodes/writes and the poll lane downloads
+(`async_*: false` runs them inline); a boundary that finds an upload in flight is skipped and its
+progress stays in the next cumulative delta. Prose: docs/dumb_diloco.md ("Node lifecycle").
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco.model import weights_sha256
+
+from .master import OuterLoop
+from .recovery import GlobalSnapshot, MasterState, delta_layout, state_layout
+from .settings import DumbDiLoCoError, Settings
+from .startup import GlobalReader
+from .tensor_format import DeltaMeta, InvalidTensorFile, delta_path, encode, pseudo_gradient
+from .transport import HubTransport, Transport, check_commit_budget
+
+log = logging.getLogger("diloco.dumb_diloco")
+
+
+class _Inline:
+    """`async_*: false` (v1): a lane whose job runs on the training thread, at once (hand-written:
+    concurrent.futures has no inline executor; this keeps one code path for v1 and v2)."""
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as err:  # reported like a background job's failure
+            future.set_exception(err)
+        return future
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        pass
+
+
+class _Snapshot(dict):
+    """Model-dtype CPU copies that this node allocated (reusable once no baseline or job refers to
+    them; reuse measured: scripts/bench_boundary.py); an installed global's tensors are never reused."""
+
+
+@dataclass
+class DeltaJob:
+    """One upload: the training thread's one copy (`snapshot`, the new baseline) and the old baseline;
+    `materialize` computes float32(base) - float32(snapshot) (+ carry) on the upload lane."""
+
+    local_step: int
+    path: str
+    meta: DeltaMeta
+    steps: int  # optimizer steps the delta covers
+    base: dict[str, torch.Tensor] | None = None
+    snapshot: dict[str, torch.Tensor] | None = None
+    carry: dict[str, torch.Tensor] | None = None  # a failed upload's delta, added to this one
+    delta: dict[str, torch.Tensor] | None = None  # float32 pseudo-gradient, owned by the job
+    seconds: float = 0.0
+
+    def materialize(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """The delta, and the base's buffers when they are free for reuse. Idempotent."""
+        if self.delta is not None:
+            return self.delta, None
+        delta = pseudo_gradient(self.base, self.snapshot)
+        for k, t in (self.carry or {}).items():
+            delta[k].add_(t)
+        free = self.base if isinstance(self.base, _Snapshot) else None
+        self.delta, self.base, self.snapshot, self.carry = delta, None, None, None
+        return delta, free
+
+
+@dataclass
+class StepResult:
+    reset_optimizer: bool = False  # step 7: the trainer must clear the inner optimizer's state
+    installed: bool = False
+    metrics: dict[str, float] | None = None
+
+
+_COUNTERS = ("installs", "uploads", "upload_failures", "skipped_boundaries", "poll_failures")
+_COUNTERS += ("rejected_globals", "bytes_uploaded", "bytes_downloaded", "boundaries", "stall_seconds")
+_COUNTERS += ("boundary_stall_seconds",)
+
+
+class Node:
+    """One node's side of DumbDiLoCo around the live model (see the module docstring); strategy.py adds
+    the trainer's lifecycle (start, finish, state, summary, close)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        settings: Settings,
+        transport: Transport | None = None,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,  # its state is cleared after an install (step 7)
+        num_workers: int = 1,  # the run's node count, for effective_step / total_samples / tokens_seen
+        tokens_per_step: int = 0,
+        samples_per_step: int = 0,
+        hf_config: dict | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        if settings.role == "single":
+            raise ValueError("role=single has no node (it trains like distributed=none)")
+        self.model, self.s, self.transport = model, settings, transport
+        self.optimizer, self.num_workers = optimizer, num_workers
+        self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
+        self.hf_config = hf_config if settings.publish_hf_config else None
+        self.clock, self.sleep = clock, sleep
+        state = model.state_dict()
+        # the weights this node was built with, before any checkpoint or global: the master publishes
+        # its own with every global and a worker refuses to join a master that started elsewhere
+        self.init_sha256 = weights_sha256(model)
+        self._global_layout = state_layout(state)  # what a global must look like to be installed
+        self._delta_keys = list(delta_layout(state))
+        size = sum(t.nbytes for t in state.values())
+        self.max_file_bytes = settings.max_file_bytes or 2 * size + 16 * 2**20
+        self.state_dir = Path(settings.state_dir).expanduser() / settings.node_id
+        self.started = self.closed = False
+        self._baseline: dict[str, torch.Tensor] = {}  # model-dtype CPU copies (see _Snapshot)
+        self._carry: DeltaJob | None = None  # a failed upload: its delta goes into the next one
+        # free snapshot buffers (a baseline the upload lane subtracted, or one an install replaced); taken
+        # only at a capture, which needs an idle upload lane, so no job still reads them (at most 2)
+        self._free: list[_Snapshot] = []
+        self._steps_since_capture = 0
+        self._staged: GlobalSnapshot | None = None
+        self._stage_lock = threading.Lock()
+        self.reader = GlobalReader(self._global_layout, self.max_file_bytes, self._downloaded)
+        self._last_poll = -math.inf
+        self.local_step = 0  # the last step the trainer reported
+        self._lanes: dict[str, Any] = {}  # "upload", "poll": a one-thread executor or _Inline
+        self._upload: tuple[DeltaJob, Future] | None = None
+        self._polling: Future | None = None
+        self.outer: OuterLoop | None = None
+        self.ckpt_master: MasterState | None = None
+        self._resume: dict | None = None  # a trainer checkpoint taken mid-inner-loop (past the spec)
+        self._first_boundary_time: float | None = None
+        self._budget_checked = False
+        for k in _COUNTERS:
+            setattr(self, k, 0.0 if k.endswith("seconds") else 0)
+        self.installed_outer_step, self.num_peers, self.last_delta_bytes = -1, 0, 0
+        self.last_upload_seconds = self.max_boundary_stall = 0.0
+
+    # ---------------------------------------------------------------- the seven steps
+
+    def on_step(self, local_step: int) -> StepResult:
+        """Steps 2-7 for the optimizer step the trainer just finished (step 1)."""
+        if self.closed or not self.started:
+            raise self.s.error(
+                "this node was closed; it cannot be started again" if self.closed else "not started"
+            )
+        t0 = time.perf_counter()
+        self.local_step = local_step  # 2
+        self._steps_since_capture += 1
+        self._collect_lanes()
+        boundary, captured = local_step % self.s.inner_steps == 0, False
+        if boundary:
+            self.boundaries += 1
+            if self.uploading:
+                self.skipped_boundaries += 1
+                log.warning(
+                    f"node {self.s.node_id}: boundary at step {local_step} skipped, the previous upload is "
+                    "still in flight (its progress stays in the next cumulative delta)"
+                )
+            else:
+                self._dispatch(self._capture(local_step))  # 3, 4
+                captured = True
+        if boundary or self.clock() - self._last_poll >= self.s.poll_interval:
+            self._last_poll = self.clock()
+            self._poll()  # 5
+        self._collect_lanes()  # inline lanes (v1) are done already
+        installed = captured and self._install_staged()  # 6
+        stall = time.perf_counter() - t0
+        self.stall_seconds += stall
+        result = StepResult(installed and self.s.reset_inner_optimizer, installed)  # 7
+        if boundary:
+            self.boundary_stall_seconds += stall
+            self.max_boundary_stall = max(self.max_boundary_stall, stall)
+            self._check_commit_budget()
+            result.metrics = self.metrics(stall)
+        return result
+
+    @property
+    def uploading(self) -> bool:
+        return self._upload is not None and not self._upload[1].done()
+
+    @property
+    def polling(self) -> bool:
+        return self._polling is not None and not self._polling.done()
+
+    def _capture(self, local_step: int) -> DeltaJob:
+        """Step 3: one copy of the current weights becomes the new baseline; the job computes the
+        cumulative pseudo-gradient float32(old baseline) - float32(snapshot), plus a failed upload's."""
+        state = self.model.state_dict()
+        snapshot = self._free.pop() if self._free else None
+        if snapshot is None:
+            snapshot = _Snapshot({k: torch.empty_like(state[k], device="cpu") for k in self._delta_keys})
+        src, dst = [state[k].detach() for k in self._delta_keys], [snapshot[k] for k in self._delta_keys]
+        if all(t.device.type == "cpu" for t in src):
+            torch._foreach_copy_(dst, src)  # one fused call
+        else:
+            for d, t in zip(dst, src):
+                d.copy_(t)  # device-to-host, synchronous: the snapshot is complete when this returns
+        base, carry, self._baseline, self._carry = self._baseline, self._carry, snapshot, None
+        base_outer_step, steps = self.installed_outer_step, self._steps_since_capture
+        if carry is not None:
+            base_outer_step, steps = min(base_outer_step, carry.meta.base_outer_step), steps + carry.steps
+        self._steps_since_capture = 0
+        meta = DeltaMeta(
+            self.s.node_id,
+            local_step,
+            max(base_outer_step, 0),
+            steps * self.tokens_per_step,
+            steps * self.samples_per_step,
+        )
+        path, delta = delta_path(self.s.node_id, local_step), carry.delta if carry is not None else None
+        return DeltaJob(local_step, path, meta, steps, base, snapshot, carry=delta)
+
+    def _dispatch(self, job: DeltaJob) -> None:
+        self._upload = (job, self._lanes["upload"].submit(self._send, job))
+
+    def _send(self, job: DeltaJob) -> int:
+        """Step 4, on the upload lane: subtract, encode, write."""
+        t0 = time.perf_counter()
+        try:
+            delta, free = job.materialize()
+            if free is not None:
+                self._free.append(free)  # the training thread takes it at the next capture, after this job
+            blob = encode(delta, job.meta.to_header())
+            self.transport.write(
+                {job.path: blob}, message=f"{self.s.node_id}: delta at local step {job.local_step}"
+            )
+            return len(blob)
+        finally:
+            job.seconds = time.perf_counter() - t0
+
+    def _upload_done(self, job: DeltaJob, future: Future) -> None:
+        self.last_upload_seconds = job.seconds
+        if (err := future.exception()) is None:
+            n = future.result()
+            self.uploads, self.bytes_uploaded, self.last_delta_bytes = (
+                self.uploads + 1,
+                self.bytes_uploaded + n,
+                n,
+            )
+            log.info(f"node {self.s.node_id}: uploaded {job.path} ({n} bytes, {job.seconds:.2f}s)")
+            return
+        self.upload_failures += 1
+        job.materialize()  # already done unless the failure came before the subtraction
+        self._carry = job  # one job in flight: a capture took the previous carry into this job
+        log.warning(
+            f"node {self.s.node_id}: upload of {job.path} failed ({_describe(err)}); its progress goes "
+            "into the next delta"
+        )
+
+    def _poll(self) -> bool:
+        """Step 5 (False if a poll is still in flight). The master's globals come from its own outer
+        loop (the snapshot callback) instead."""
+        if self.s.is_master or self.polling:
+            return False
+        self._collect_lanes()
+        self._polling = self._lanes["poll"].submit(self.fetch_global)
+        return True
+
+    def _collect_lanes(self) -> None:
+        if self._upload is not None and self._upload[1].done():
+            (job, future), self._upload = self._upload, None
+            self._upload_done(job, future)
+        if self._polling is not None and self._polling.done():
+            future, self._polling = self._polling, None
+            if (err := future.exception()) is not None:
+                self._fetch_failed(err)
+            elif (snapshot := future.result()) is not None:
+                self.stage(snapshot)
+
+    # ---------------------------------------------------------------- globals
+
+    def _downloaded(self, n: int) -> None:
+        self.bytes_downloaded += n
+
+    def fetch_global(self) -> GlobalSnapshot | None:
+        """A global newer than the installed/staged one (reader.GlobalReader), None if there is none."""
+        try:
+            return self.reader.fetch(self.transport, self.newest_known())
+        except InvalidTensorFile:
+            self.rejected_globals += 1
+            raise
+
+    def _safe_fetch(self) -> GlobalSnapshot | None:
+        try:
+            return self.fetch_global()
+        except Exception as err:  # a poll never kills training
+            self._fetch_failed(err)
+            return None
+
+    def _fetch_failed(self, err: BaseException) -> None:
+        if isinstance(err, InvalidTensorFile):
+            log.error("node %s: not installing the repository's global: %s", self.s.node_id, err.reason)
+        else:
+            self.poll_failures += 1
+            log.warning(f"node {self.s.node_id}: polling for a global failed ({_describe(err)}); will retry")
+
+    def newest_known(self) -> int:
+        staged = self._staged
+        return max(self.installed_outer_step, staged.outer_step if staged is not None else -1)
+
+    def stage(self, snapshot: GlobalSnapshot) -> None:
+        """Keep the newest global for the training thread (called from any thread)."""
+        with self._stage_lock:
+            if self._staged is None or snapshot.outer_step > self._staged.outer_step:
+                self._staged = snapshot
+
+    def check_layout(self, state: dict[str, torch.Tensor], what: str) -> None:
+        got = state_layout(state)
+        if got != self._global_layout:
+            diff = sorted(set(got) ^ set(self._global_layout)) or [
+                k for k in got if got[k] != self._global_layout[k]
+            ]
+            raise DumbDiLoCoError(
+                f"{what} does not match this model (keys, shapes or dtypes differ, e.g. {diff[:3]})"
+            )
+
+    def _install_staged(self) -> bool:
+        """Step 6, on the training thread: copy a staged newer global into the live model."""
+        with self._stage_lock:
+            snapshot, self._staged = self._staged, None
+        if snapshot is None or snapshot.outer_step <= self.installed_outer_step:
+            return False
+        try:
+            self.check_layout(snapshot.state, f"global outer step {snapshot.outer_step}")
+        except DumbDiLoCoError as err:
+            self.rejected_globals += 1
+            log.error("node %s: not installing: %s", self.s.node_id, err)
+            return False
+        with torch.no_grad():
+            for k, t in self.model.state_dict().items():
+                t.copy_(snapshot.state[k])
+        if isinstance(self._baseline, _Snapshot):  # reusable once the job in flight (if any) is done
+            self._free.append(self._baseline)
+        self._baseline = {k: snapshot.state[k] for k in self._delta_keys}  # the snapshot is never mutated
+        self._steps_since_capture = 0
+        self.installed_outer_step, self.num_peers = snapshot.outer_step, snapshot.num_peers
+        self.installs += 1
+        log.info("node %s: installed global outer step %d", self.s.node_id, snapshot.outer_step)
+        return True
+
+    # ---------------------------------------------------------------- metrics, state, shutdown
+
+    def _check_commit_budget(self) -> None:
+        """Warn once if this node alone would exceed the Hub's commit rate limit."""
+        if self._budget_checked or not isinstance(self.transport, HubTransport):
+            return
+        now = self.clock()
+        if self._first_boundary_time is None:
+            self._first_boundary_time = now
+            return
+        self._budget_checked = True
+        if warning := check_commit_budget(1, max(now - self._first_boundary_time, 1e-3)):
+            log.warning("node %s: %s", self.s.node_id, warning)
+
+    def metrics(self, stall: float | None = None) -> dict[str, float]:
+        comm = ("bytes_uploaded", "bytes_downloaded", "total_bytes", "uploads", "upload_failures")
+        comm += ("skipped_boundaries", "poll_failures")
+        m = {
+            "outer/step": self.installed_outer_step,
+            "outer/installs": self.installs,
+            "outer_lr": self.s.outer_lr,
+            "num_peers": self.num_peers,
+            "comm/delta_bytes": self.last_delta_bytes,
+            "comm/upload_seconds": self.last_upload_seconds,
+            "comm/stall_seconds_total": self.stall_seconds,
+        }
+        m |= {f"comm/{k}": getattr(self, k) for k in comm}
+        if stall is not None:
+            m["comm/boundary_stall_seconds"] = stall
+        if (o := self.outer) is not None:
+            m |= {
+                "outer/master_step": o.state.outer_step,
+                "outer/rounds": o.rounds,
+                "outer/errors": o.errors,
+                "outer/deltas_accepted": o.deltas_accepted,
+                "outer/deltas_rejected": o.deltas_rejected,
+                "outer/pseudo_grad_norm": o.last_pseudo_grad_norm,
+                "outer/pending_deltas": o.pending,
+            }
+        return m
+
+    @property
+    def total_bytes(self) -> int:
+        outer = self.outer.bytes_uploaded + self.outer.bytes_downloaded if self.outer is not None else 0
+        return self.bytes_uploaded + self.bytes_downloaded + outer
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]

@@ -1,0 +1,391 @@
+"""The DumbDiLoCo master's state, in one place: the float32 global weights, the outer optimizer's
+buffers and the processed-delta ledger (`MasterState`), where they are kept (the trainer checkpoint,
+`<state_dir>/<node_id>/`, the ledger and momentum published beside each global), which of them a
+(re)starting master trusts (`recover`), and the single-master lease.
+
+Invariants: a saved state is readable at every instant (tensors first, then the JSON naming them);
+published ledger/momentum are used only when they name the global's outer step and SHA-256; a delta
+in the ledger is never applied again. Prose: docs/dumb_diloco.md ("Restarts and checkpoints").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from diloco.outer import OuterOptimizer
+
+from .directory import write_atomic
+from .tensor_format import InvalidTensorFile, decode, encode, is_delta_tensor
+from .transport import RemoteNotFound, Transport
+
+log = logging.getLogger("diloco.dumb_diloco")
+
+STATE_FORMAT = 1
+# past the spec: published in the same transport write (one Hub commit) as the global weights
+GLOBAL_LEDGER_PATH = "global/ledger.json"  # the processed-delta ledger, outer step, global_sha256
+GLOBAL_MOMENTUM_PATH = "global/outer_momentum.safetensors"  # momentum (+ delayed-Nesterov accumulator)
+LEASE_PATH = "global/master_lease.json"  # single-master lease: master id + heartbeat time
+LEDGER_FILE_MAX_BYTES = 256 * 2**20
+_TENSORS = ("weights", "momentum", "delayed")  # MasterState's tensor dicts, "<kind>/<name>" in files
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def as_float32(t: torch.Tensor) -> torch.Tensor:
+    """The float32 form the outer loop works on: complex entries as view_as_real (shape [..., 2])."""
+    t = t.detach()
+    return (torch.view_as_real(t) if t.is_complex() else t).to("cpu", torch.float32, copy=True)
+
+
+def from_float32(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Back to the model's dtype (inverse of `as_float32`); always a copy, snapshots never alias."""
+    if dtype.is_complex:
+        return torch.view_as_complex(t.contiguous()).to(dtype, copy=True)
+    return t.to(dtype, copy=True)
+
+
+def delta_layout(state: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Expected (shape, dtype) of every tensor of a node delta for a model with this state_dict."""
+    return {
+        name: ((*t.shape, 2) if t.is_complex() else tuple(t.shape), torch.float32)
+        for name, t in state.items()
+        if is_delta_tensor(t)
+    }
+
+
+def state_layout(state: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Expected (shape, dtype) of every tensor of the global file: the full state_dict as it is."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class GlobalSnapshot:
+    """One version of the global model: the full state_dict in the model's dtypes (never mutated)."""
+
+    outer_step: int
+    state: dict[str, torch.Tensor]
+    source: str = "repo"  # "repo" (downloaded) or "master" (this process's outer loop)
+    num_peers: int = 0  # distinct nodes whose deltas made this version's round
+
+
+# --------------------------------------------------------------------------- ledger
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """What the master did with one delta (identity = node_id, local_step, sha256)."""
+
+    node_id: str
+    local_step: int
+    sha256: str
+    status: str  # "applied" | "rejected" | "preexisting" (in the repo before this master had state)
+    outer_step: int  # the round that applied it (applied) or that was current when it was seen
+    base_outer_step: int = -1  # the global version the node's baseline came from (-1: unknown)
+    reason: str = ""
+    # outer steps the master had taken since the delta's base when it applied (or rejected) it; -1: unknown
+    staleness: int = -1
+
+    @property
+    def identity(self) -> tuple[str, int, str]:
+        return (self.node_id, self.local_step, self.sha256)
+
+
+class Ledger:
+    """The processed-delta ledger: every identity the master has applied or rejected, in order."""
+
+    def __init__(self, entries: Iterable[LedgerEntry] = ()):
+        self._entries: dict[tuple[str, int, str], LedgerEntry] = {}
+        for e in entries:
+            self.add(e)
+
+    def __contains__(self, identity: tuple[str, int, str]) -> bool:
+        return identity in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, entry: LedgerEntry) -> None:
+        self._entries.setdefault(entry.identity, entry)
+
+    def entries(self) -> list[LedgerEntry]:
+        return list(self._entries.values())
+
+    def count(self, status: str) -> int:
+        return sum(e.status == status for e in self._entries.values())
+
+    def to_json(self) -> list[dict]:
+        return [asdict(e) for e in self._entries.values()]
+
+    @classmethod
+    def from_json(cls, rows: list[dict]) -> Ledger:
+        return cls(LedgerEntry(**row) for row in rows)
+
+
+# --------------------------------------------------------------------------- master state
+
+
+@dataclass
+class MasterState:
+    """Everything the outer loop owns. `weights` are float32 (complex as [..., 2]) for the entries that
+    take part in deltas and the stored tensor for the others; `dtypes` are the model's, used to publish.
+    The outer optimizer's buffers are kept here by tensor name between rounds."""
+
+    outer_step: int
+    weights: dict[str, torch.Tensor]
+    dtypes: dict[str, torch.dtype]
+    momentum: dict[str, torch.Tensor] = field(default_factory=dict)  # outer Nesterov buffers (float32)
+    ledger: Ledger = field(default_factory=Ledger)
+    # delayed Nesterov (past the spec): pseudo-gradients summed since the last momentum update, and how many
+    delayed: dict[str, torch.Tensor] = field(default_factory=dict)
+    delayed_count: int = 0
+
+    @classmethod
+    def from_model_state(cls, state: dict[str, torch.Tensor], outer_step: int = 0) -> MasterState:
+        weights = {
+            k: as_float32(t) if is_delta_tensor(t) else t.detach().to("cpu", copy=True)
+            for k, t in state.items()
+        }
+        return cls(outer_step, weights, {k: t.dtype for k, t in state.items()})
+
+    def published(self) -> dict[str, torch.Tensor]:
+        """The full state_dict in the model's dtypes (what global/latest.safetensors holds)."""
+        return {
+            k: from_float32(t, self.dtypes[k])
+            if self.dtypes[k].is_floating_point or self.dtypes[k].is_complex
+            else t.clone()
+            for k, t in self.weights.items()
+        }
+
+    def apply_outer_step(
+        self, pseudo_grad: dict[str, torch.Tensor], lr: float, momentum: float, delay_period: int = 1
+    ) -> None:
+        """Step 6: `diloco.outer.OuterOptimizer` (torch's SGD-Nesterov; delayed Nesterov for a period > 1)
+        on the float32 weights with `pseudo_grad` as their gradient. A fresh optimizer each round loads and
+        returns its buffers by name, so the state lives in one serialisable place (outer_step: the caller)."""
+        names = list(pseudo_grad)
+        opt = OuterOptimizer(
+            [self.weights[n] for n in names], lr=lr, momentum=momentum, delay_period=delay_period
+        )
+        opt.load_buffers(
+            [self.momentum.get(n) for n in names], [self.delayed.get(n) for n in names], self.delayed_count
+        )
+        opt.step([pseudo_grad[n] for n in names])
+        sums, self.delayed_count = opt.delayed_sums()
+        self.momentum = {n: m for n, m in zip(names, opt.momentum_buffers()) if m is not None}
+        self.delayed = {n: s for n, s in zip(names, sums) if s is not None}
+
+    # ---- the trainer's checkpoint (torch.load(weights_only=True): tensors, dicts, lists, ints, strs)
+
+    def _meta(self) -> dict:
+        dtypes = {k: str(d) for k, d in self.dtypes.items()}
+        return {
+            "format": STATE_FORMAT,
+            "outer_step": self.outer_step,
+            "dtypes": dtypes,
+            "ledger": self.ledger.to_json(),
+            "delayed_count": self.delayed_count,
+        }
+
+    def to_checkpoint(self) -> dict:
+        return self._meta() | {
+            kind: {k: t.clone() for k, t in getattr(self, kind).items()} for kind in _TENSORS
+        }
+
+    @classmethod
+    def from_checkpoint(cls, d: dict) -> MasterState:
+        return cls(
+            outer_step=int(d["outer_step"]),
+            weights=dict(d["weights"]),
+            dtypes={k: _dtype_from_name(v) for k, v in d["dtypes"].items()},
+            momentum=dict(d["momentum"]),
+            ledger=Ledger.from_json(d["ledger"]),
+            delayed=dict(d.get("delayed", {})),
+            delayed_count=int(d.get("delayed_count", 0)),
+        )
+
+    # ---- state_dir: <dir>/master_state.json names <dir>/master_state.<outer_step>.safetensors
+
+    def save(self, directory: Path) -> None:
+        """Tensors first (a new file per outer step), then the JSON that names them (atomic rename):
+        a crash at any point leaves the previous complete state readable."""
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {f"{kind}/{k}": t for kind in _TENSORS for k, t in getattr(self, kind).items()}
+        blob = encode(tensors, {"kind": "dumb_diloco_master_state", "outer_step": str(self.outer_step)})
+        name = f"master_state.{self.outer_step:08d}.safetensors"
+        write_atomic(directory / name, blob)
+        meta = self._meta() | {
+            "tensors": name,
+            "tensors_sha256": hashlib.sha256(blob).hexdigest(),
+            "saved_at": utc_now(),
+        }
+        write_atomic(directory / "master_state.json", json.dumps(meta, indent=1).encode())
+        for old in directory.glob("master_state.*.safetensors"):
+            if old.name != name:
+                old.unlink(missing_ok=True)
+
+    @classmethod
+    def load(cls, directory: Path) -> MasterState | None:
+        """The saved state, None if there is none; ValueError if it exists but is unreadable."""
+        path = directory / "master_state.json"
+        if not path.exists():
+            return None
+        meta = json.loads(path.read_text())
+        if meta.get("format") != STATE_FORMAT:
+            raise ValueError(f"{path}: unknown master state format {meta.get('format')!r}")
+        blob = (directory / meta["tensors"]).read_bytes()
+        if hashlib.sha256(blob).hexdigest() != meta["tensors_sha256"]:
+            raise ValueError(f"{directory / meta['tensors']}: SHA-256 does not match {path}")
+        tensors, _ = decode(blob, max_bytes=len(blob), require_finite=False)
+        return cls.from_checkpoint(meta | {kind: _strip(tensors, kind) for kind in _TENSORS})
+
+
+def _strip(tensors: dict[str, torch.Tensor], kind: str) -> dict[str, torch.Tensor]:
+    return {k.removeprefix(f"{kind}/"): t for k, t in tensors.items() if k.startswith(f"{kind}/")}
+
+
+# --------------------------------------------------------------------------- which state a master trusts
+
+
+def recover(
+    local: MasterState | None,
+    checkpoint: MasterState | None,
+    repo: GlobalSnapshot | None,
+    step_info: dict,
+    published: Callable[[int], PublishedState | None],
+    model_state: dict[str, torch.Tensor],
+    corrupt_step: int = -1,
+) -> tuple[MasterState, bool, bool]:
+    """The state a starting master continues from, whether to publish it, and whether it adopted the
+    repository without any record of it (its deltas are then treated as already processed):
+
+    1. the newer of `state_dir` (`local`) and the trainer checkpoint, if at least as new as the repository;
+    2. else the repository's global with the ledger and momentum published with it (an exact takeover);
+    3. else the repository's global with the local momentum and ledger, plus the round of step_count.json;
+    4. no global in the repository: 1, or the model's weights, above a corrupt global's step (`corrupt_step`).
+    """
+    chosen = max((s for s in (local, checkpoint) if s is not None), key=lambda s: s.outer_step, default=None)
+    if repo is None:
+        state = chosen or MasterState.from_model_state(model_state, outer_step=0)
+        state.outer_step = max(state.outer_step, corrupt_step + 1)  # readers only install newer steps
+        return state, True, False
+    if chosen is not None and chosen.outer_step >= repo.outer_step:
+        return chosen, chosen.outer_step > repo.outer_step, False
+    state = MasterState.from_model_state(repo.state, repo.outer_step)
+    if (pub := published(repo.outer_step)) is not None:
+        state.ledger, state.momentum = pub.ledger, pub.momentum
+        state.delayed, state.delayed_count = pub.delayed, pub.delayed_count
+        log.warning(
+            "master: continuing from the repository at outer step %d with its published ledger (%d entries) "
+            "and momentum%s",
+            repo.outer_step,
+            len(state.ledger),
+            f" (local state was at outer step {chosen.outer_step})" if chosen is not None else "",
+        )
+        return state, False, False
+    if chosen is not None:
+        log.warning(
+            "master: local state is at outer step %d but the repository is at %d; adopting the "
+            "repository's weights (momentum and ledger kept)",
+            chosen.outer_step,
+            repo.outer_step,
+        )
+        state.momentum, state.ledger = chosen.momentum, chosen.ledger
+    for d in step_info.get("deltas", []):  # the round we have no record of
+        state.ledger.add(
+            LedgerEntry(
+                d["node_id"],
+                int(d["local_step"]),
+                d["sha256"],
+                "applied",
+                repo.outer_step,
+                int(d.get("base_outer_step", -1)),
+            )
+        )
+    return state, False, chosen is None
+
+
+@dataclass
+class PublishedState:
+    ledger: Ledger
+    momentum: dict[str, torch.Tensor]
+    delayed: dict[str, torch.Tensor]
+    delayed_count: int
+
+
+def load_published_state(
+    transport: Transport, outer_step: int, global_sha256: str, max_file_bytes: int
+) -> PublishedState | None:
+    """The ledger and outer momentum published with global `outer_step` (both must name that step and
+    that global's SHA-256, i.e. come from the same publication); None if absent or not matching."""
+    try:
+        revision = transport.revision()
+        raw = transport.read(GLOBAL_LEDGER_PATH, revision, max_bytes=LEDGER_FILE_MAX_BYTES)
+        blob = transport.read(GLOBAL_MOMENTUM_PATH, revision, max_bytes=max_file_bytes)
+    except RemoteNotFound:
+        return None
+    try:
+        ledger = json.loads(raw)
+        tensors, meta = decode(blob, max_bytes=max_file_bytes)
+        for what, step, sha in (
+            (GLOBAL_LEDGER_PATH, ledger.get("outer_step"), ledger.get("global_sha256")),
+            (GLOBAL_MOMENTUM_PATH, meta.get("outer_step"), meta.get("global_sha256")),
+        ):
+            if str(step) != str(outer_step) or sha != global_sha256:
+                log.warning("master: %s is of another publication (outer step %s); not using it", what, step)
+                return None
+        return PublishedState(
+            Ledger.from_json(ledger["entries"]),
+            _strip(tensors, "momentum"),
+            _strip(tensors, "delayed"),
+            int(meta.get("delayed_count", "0")),
+        )
+    except (ValueError, KeyError, TypeError, InvalidTensorFile) as err:
+        log.warning("master: the published ledger/momentum is unreadable (%s); not using it", err)
+        return None
+
+
+# --------------------------------------------------------------------------- the single-master lease
+
+
+def read_lease(transport: Transport) -> dict | None:
+    """The lease file (master id, heartbeat time), None if there is none or it is unreadable."""
+    try:
+        lease = json.loads(transport.read(LEASE_PATH, max_bytes=2**16))
+    except RemoteNotFound:
+        return None
+    except (ValueError, UnicodeDecodeError):
+        log.warning("master: %s is unreadable; treating the repository as unleased", LEASE_PATH)
+        return None
+    return lease if isinstance(lease, dict) else None
+
+
+def lease_holder(
+    transport: Transport, node_id: str, lease_seconds: float, now: float
+) -> tuple[str, float] | None:
+    """(other master, heartbeat age in s) if another master holds a fresh lease, else None."""
+    lease = read_lease(transport)
+    if lease is None or lease.get("master") == node_id:
+        return None
+    try:
+        age = now - float(lease.get("heartbeat", 0))
+        held_for = max(float(lease.get("lease_seconds") or 0), lease_seconds)
+    except (TypeError, ValueError):
+        return None
+    return (str(lease.get("master")), age) if age < held_for else None

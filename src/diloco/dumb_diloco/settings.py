@@ -1,0 +1,69 @@
+"""A DumbDiLoCo node's settings: the `distributed:` block on top of the typed schema
+(diloco.schema.DumbDiLoCoConfig, keys and defaults) and its one validator (diloco.config.check_dumb_diloco),
+plus the error a node reports in one line. Prose: docs/dumb_diloco.md ("Configuration").
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
+from typing import Any
+
+from diloco.config import ConfigError, check_dumb_diloco, typed
+from diloco.schema import DumbDiLoCoConfig
+
+from .transport import RetryPolicy
+
+log = logging.getLogger("diloco.dumb_diloco")
+
+
+class DumbDiLoCoError(ConfigError):
+    """A node that cannot take part (bad setting, unreachable repository, no master): one readable line.
+    A ConfigError, so the trainer prints it as `error: ...` instead of a traceback."""
+
+
+@dataclass
+class Settings(DumbDiLoCoConfig):
+    """The `distributed:` block of a DumbDiLoCo node, checked (keys and defaults: diloco.schema)."""
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            self.role = "single"
+        if isinstance(self.collaborators, str) or not hasattr(self.collaborators, "__iter__"):
+            raise ConfigError(_COLLABORATORS + f"got {self.collaborators!r}")
+        self.collaborators = tuple(self.collaborators)
+        self.repo_id = self.repo_id.strip() if isinstance(self.repo_id, str) else self.repo_id
+        self.state_dir = str(self.state_dir)
+        if not isinstance(self.retry, RetryPolicy):
+            try:
+                self.retry = RetryPolicy(**(self.retry if isinstance(self.retry, dict) else vars(self.retry)))
+            except TypeError as err:
+                raise ConfigError(f"distributed.retry: {err}") from None
+        check_dumb_diloco(self)
+
+    @classmethod
+    def from_config(cls, dcfg: Any) -> Settings:
+        """Validate a config block (DictConfig or dict); raise ConfigError naming the key."""
+        if (mode := dcfg.get("mode", "dumb_diloco")) != "dumb_diloco":
+            raise ConfigError(f"distributed.mode must be dumb_diloco here, got {mode!r}")
+        if isinstance(dcfg.get("collaborators"), str):  # before OmegaConf turns the string away
+            raise ConfigError(_COLLABORATORS + f"got {dcfg.get('collaborators')!r}")
+        block = typed(dcfg, DumbDiLoCoConfig, "distributed.")
+        s = cls(**{f.name: getattr(block, f.name) for f in dataclass_fields(DumbDiLoCoConfig)})
+        if s.token is not None and s.role != "single":
+            log.warning(
+                "distributed.token is set in the config: prefer the HF_TOKEN environment variable or "
+                "`hf auth login`, and never commit a token to a config file (it is not logged or saved)"
+            )
+        return s
+
+    @property
+    def is_master(self) -> bool:
+        return self.role == "master"
+
+    def error(self, message: str) -> DumbDiLoCoError:
+        return DumbDiLoCoError(f"{'master' if self.is_master else 'node'} {self.node_id}: {message}")
+
+
+_COLLABORATORS = "distributed.collaborators must be a list of node IDs, e.g. '[worker-1,worker-2]', "

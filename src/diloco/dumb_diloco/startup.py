@@ -1,0 +1,267 @@
+"""How a node joins a run: reading the global model (`GlobalReader`), a worker's wait for the master's
+first global (`connect`), and a master's start from the newest state it can trust (`start_master`).
+
+Invariants: step_count.json and latest.safetensors are read at one revision; a global is returned only
+if newer than what the node holds and fully validated (the model's keys, shapes and dtypes, finite,
+SHA-256, one outer step in both files); a rejected global is not downloaded again; a worker never
+joins a master built from other initial weights. Prose: docs/dumb_diloco.md ("Node lifecycle",
+"Restarts and checkpoints").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from .master import OuterLoop
+from .recovery import GlobalSnapshot, MasterState, lease_holder, load_published_state, read_lease, recover
+from .settings import DumbDiLoCoError
+from .tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, InvalidTensorFile, decode, parse_header
+from .transport import RemoteNotFound, TransientError, Transport, TransportError, open_transport
+
+if TYPE_CHECKING:
+    from .strategy import DumbDiLoCo
+
+log = logging.getLogger("diloco.dumb_diloco")
+STEP_FILE_MAX_BYTES = 16 * 2**20
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class GlobalMismatch(InvalidTensorFile):
+    """A well-formed global of another model (keys, shapes or dtypes): waiting will not fix it."""
+
+
+def parse_step_info(raw: bytes) -> dict:
+    """global/step_count.json, checked (InvalidTensorFile with one line on anything odd)."""
+    try:
+        info = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise InvalidTensorFile(f"{GLOBAL_STEP_PATH} is not JSON ({err})") from None
+    step = info.get("outer_step") if isinstance(info, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidTensorFile(f"{GLOBAL_STEP_PATH} has no valid outer_step: {str(info)[:80]}")
+    if not isinstance(info.get("deltas", []), list):
+        raise InvalidTensorFile(f"{GLOBAL_STEP_PATH}: deltas must be a list")
+    return info
+
+
+class GlobalReader:
+    def __init__(self, layout: Layout, max_file_bytes: int, on_bytes: Callable[[int], None]):
+        self.layout, self.max_file_bytes, self.on_bytes = layout, max_file_bytes, on_bytes
+        self.seen_revision: str | None = None
+        self.rejected: set[tuple[int, str]] = set()  # (outer_step, global_sha256) that failed validation
+        self.step_info: dict = {}  # step_count.json of the newest global fetched
+
+    def fetch(self, transport: Transport, newer_than: int) -> GlobalSnapshot | None:
+        """A global newer than `newer_than`, or None. Raises TransportError, or InvalidTensorFile
+        (GlobalMismatch for another model's) for a global that fails validation."""
+        revision = transport.revision()
+        if revision == self.seen_revision:
+            return None
+        try:
+            raw = transport.read(GLOBAL_STEP_PATH, revision, max_bytes=STEP_FILE_MAX_BYTES)
+        except RemoteNotFound:
+            self.seen_revision = revision
+            return None
+        self.on_bytes(len(raw))
+        info = parse_step_info(raw)
+        outer_step, sha = info["outer_step"], info.get("global_sha256", "")
+        if outer_step <= newer_than or (outer_step, sha) in self.rejected:
+            self.seen_revision = revision
+            return None
+        blob = transport.read(GLOBAL_WEIGHTS_PATH, revision, max_bytes=self.max_file_bytes)
+        self.on_bytes(len(blob))
+        self.seen_revision = revision
+        try:
+            tensors, meta = decode(blob, max_bytes=self.max_file_bytes, expected=self.layout)
+            if meta.get("outer_step") != str(outer_step):
+                raise InvalidTensorFile(
+                    f"global file is outer step {meta.get('outer_step')!r} but step_count.json says "
+                    f"{outer_step}"
+                )
+        except InvalidTensorFile as err:
+            self.rejected.add((outer_step, sha))
+            kind = GlobalMismatch if self._is_other_model(blob) else InvalidTensorFile
+            raise kind(f"global outer step {outer_step}: {err.reason}") from None
+        self.step_info = info
+        peers = len({d.get("node_id") for d in info.get("deltas", []) if isinstance(d, dict)})
+        return GlobalSnapshot(outer_step, tensors, source="repo", num_peers=peers)
+
+    def _is_other_model(self, blob: bytes) -> bool:
+        """True for a well-formed file whose keys, shapes or dtypes differ from this model's."""
+        try:
+            parse_header(blob, file_size=len(blob))
+        except InvalidTensorFile:
+            return False  # corrupt, not another model
+        try:
+            decode(blob, max_bytes=len(blob), expected=self.layout, require_finite=False, verify_sha=False)
+        except InvalidTensorFile:
+            return True
+        return False
+
+
+def connect(node: DumbDiLoCo) -> None:
+    """Open the repository. A worker waits (up to startup_timeout) for the master's first global and
+    stages it; the master creates the repository (private, on the Hub)."""
+    s = node.s
+    if node.transport is not None and (s.is_master or node.newest_known() >= 0):
+        return  # already connected (and, a worker, holding a global)
+    deadline, announced, rejected = node.clock() + s.startup_timeout, False, ""
+    while True:
+        try:
+            if node.transport is None:
+                try:
+                    node.transport = open_transport(
+                        s.repo_id,
+                        token=s.token,
+                        create=s.is_master,
+                        retry=s.retry,
+                        timeout_s=s.request_timeout,
+                    )
+                except ValueError as err:
+                    raise DumbDiLoCoError(f"distributed.repo_id: {err}") from None
+            if s.is_master:
+                return
+            if (snapshot := node.fetch_global()) is not None:
+                check_same_start(node)
+                node.stage(snapshot)
+                return
+            waiting_for = "the master's first global model"
+        except (RemoteNotFound, TransientError) as err:
+            if s.is_master:
+                raise node.s.error(f"cannot open {s.repo_id}: {err}") from None
+            waiting_for = f"the repository ({err})"
+        except TransportError as err:
+            raise node.s.error(f"cannot {'open' if s.is_master else 'read'} {s.repo_id}: {err}") from None
+        except GlobalMismatch as err:
+            raise node.s.error(
+                f"the global model in {s.repo_id} is not this model ({err.reason}); use the same model "
+                "config as the master, or another repo_id"
+            ) from None
+        except InvalidTensorFile as err:
+            rejected = err.reason
+        if rejected:
+            waiting_for = f"a valid global model (the newest was rejected: {rejected})"
+        if (remaining := deadline - node.clock()) <= 0:
+            raise node.s.error(
+                f"no global model in {s.repo_id} after {s.startup_timeout:g}s (waiting for {waiting_for}); "
+                "start the master (distributed.role=master) with the same distributed.repo_id, or raise "
+                "distributed.startup_timeout"
+            )
+        if not announced:
+            log.info("node %s: waiting for %s in %s", s.node_id, waiting_for, s.repo_id)
+            announced = True
+        node.sleep(min(s.poll_interval, 2.0, remaining))
+
+
+def check_same_start(node: DumbDiLoCo) -> None:
+    """A worker built with other initial weights than the master's (another seed, model config or
+    transformers version) would compute deltas for another model: stop, naming both hashes."""
+    theirs = node.reader.step_info.get("init_sha256")
+    if theirs is not None and theirs != node.init_sha256:
+        raise node.s.error(
+            f"initial weights differ from the master's (sha256 {node.init_sha256} here, {theirs} on "
+            f"{node.reader.step_info.get('master', 'the master')}): use the master's seed, model config "
+            "and transformers version"
+        )
+
+
+def start_master(node: DumbDiLoCo) -> None:
+    """Recover the state (recovery.recover), publish it if the repository is behind, start the loop."""
+    s = node.s
+    if s.lease_seconds > 0:  # single-master lease (past the spec)
+        try:
+            other = lease_holder(node.transport, s.node_id, s.lease_seconds, time.time())
+            lease = read_lease(node.transport)
+        except TransportError as err:
+            raise node.s.error(f"cannot read {s.repo_id}: {err}") from None
+        if other is not None:
+            raise node.s.error(
+                f"{s.repo_id} is held by master {other[0]!r} (lease heartbeat {other[1]:.0f}s ago, "
+                f"lease_seconds {s.lease_seconds:g}); run one master per repository, or start this one "
+                "after that master stopped and its lease expired"
+            )
+        if lease is not None and lease.get("master") != s.node_id:
+            log.warning(
+                "master %s: taking over %s from master %r (its lease expired)",
+                s.node_id,
+                s.repo_id,
+                lease.get("master"),
+            )
+    try:
+        local = MasterState.load(node.state_dir)
+    except (OSError, ValueError, InvalidTensorFile) as err:
+        raise DumbDiLoCoError(f"master state in {node.state_dir} is unreadable: {err}") from None
+    saved = max(
+        (x for x in (local, node.ckpt_master) if x is not None), key=lambda x: x.outer_step, default=None
+    )
+    if saved is not None:  # the one recover() prefers
+        node.check_layout(saved.published(), f"the master state in {node.state_dir}")
+    try:
+        repo = node.fetch_global()
+    except GlobalMismatch as err:
+        raise node.s.error(
+            f"the global model in {s.repo_id} is not this model ({err.reason}); "
+            "use the model config of that run, or another repo_id"
+        ) from None
+    except InvalidTensorFile as err:
+        log.warning("master: the repository's global is corrupt (%s); it will be replaced", err)
+        repo = None
+    except TransportError as err:
+        raise node.s.error(f"cannot read {s.repo_id}: {err}") from None
+
+    def published(outer_step: int):
+        if not s.publish_master_state:
+            return None
+        try:
+            sha = node.reader.step_info.get("global_sha256", "")
+            return load_published_state(node.transport, outer_step, sha, node.max_file_bytes)
+        except TransportError as err:
+            raise node.s.error(f"cannot read {s.repo_id}: {err}") from None
+
+    corrupt = max((k for k, _ in node.reader.rejected), default=-1)
+    state, publish, adopted = recover(
+        local, node.ckpt_master, repo, node.reader.step_info, published, node.model.state_dict(), corrupt
+    )
+    node.outer = OuterLoop(
+        node.transport,
+        state,
+        node_id=s.node_id,
+        collaborators=s.collaborators,
+        outer_lr=s.outer_lr,
+        outer_momentum=s.outer_momentum,
+        poll_interval=s.poll_interval,
+        state_dir=node.state_dir,
+        max_file_bytes=node.max_file_bytes,
+        on_snapshot=node.stage,
+        hf_config=node.hf_config,
+        min_deltas_per_round=s.min_deltas_per_round,
+        staleness_weighting=s.staleness_weighting,
+        delayed_nesterov_period=s.delayed_nesterov_period if s.delayed_nesterov else 0,
+        publish_state=s.publish_master_state,
+        keep_deltas=s.keep_deltas,
+        lease_seconds=s.lease_seconds,
+        init_sha256=node.init_sha256,
+    )
+    if adopted:
+        n = node.outer.mark_existing_as_processed()
+        log.warning(
+            "master: no local master state; adopted global outer step %d from %s and treat its %d "
+            "existing delta(s) as already processed",
+            state.outer_step,
+            s.repo_id,
+            n,
+        )
+    if publish:
+        node.outer.publish()
+        log.info("master: published global outer step %d to %s", state.outer_step, s.repo_id)
+    else:
+        node.outer.heartbeat()  # take the lease now (a publication carries it otherwise)
+    node.outer.save_state()
+    node.stage(node.outer.snapshot())
+    node.outer.start()

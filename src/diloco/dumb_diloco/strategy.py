@@ -1,0 +1,217 @@
+"""`distributed=dumb_diloco` for the trainer: `DumbDiLoCo`, a `Node` (node.py: the seven steps) with the
+lifecycle of diloco.strategy.Strategy around it.
+
+Invariants: the constructor does no I/O and starts no thread; `start` (after a resume) connects, recovers
+and starts the lanes (a worker without a master fails there, in one line); `finish` waits for the last
+upload (and, on the master, the last outer round) so `summary` counts it; `summary` has no side effects;
+`close` is idempotent and bounded by shutdown_timeout. Prose: docs/dumb_diloco.md ("Restarts and
+checkpoints", "Metrics").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from contextlib import nullcontext
+
+import torch
+
+from diloco.config import ConfigError
+
+from .node import _COUNTERS, DeltaJob, Node, _Inline
+from .recovery import MasterState
+from .settings import Settings
+from .startup import connect, start_master
+from .tensor_format import DeltaMeta
+
+log = logging.getLogger("diloco.dumb_diloco")
+
+
+class DumbDiLoCo(Node):
+    """The trainer's strategy: one node of a DumbDiLoCo run (see the module docstring)."""
+
+    name = "dumb_diloco"
+
+    @classmethod
+    def from_config(cls, cfg, ctx, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        """No I/O and no threads here: `start` connects (a worker without a master fails there)."""
+        from diloco.distributed import LocalTraining
+
+        settings = Settings.from_config(cfg.distributed)
+        if settings.role == "single":
+            return LocalTraining(ctx)
+        if ctx.world_size > 1:
+            raise ConfigError(
+                "distributed=dumb_diloco runs one process per node; start each node with plain "
+                "`python -m diloco.train`"
+            )
+        if cfg.data.get("shard") is None:
+            log.warning(
+                f"node {settings.node_id}: data.shard/data.num_shards are not set, so this node reads the "
+                "same data as every other node left at the default; give node i of n `data.shard=i "
+                "data.num_shards=n`"
+            )
+        hf_config = json.loads(model.config.to_json_string()) if hasattr(model, "config") else None
+        batch = cfg.train.batch_size
+        workers = int(cfg.data.get("num_shards") or 1)
+        return cls(
+            model,
+            settings,
+            optimizer=optimizer,
+            num_workers=workers,
+            hf_config=hf_config,
+            tokens_per_step=batch * cfg.data.seq_len,
+            samples_per_step=batch,
+        )
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def grad_sync(self, last_micro_step: bool):
+        return nullcontext()
+
+    def after_inner_step(self, step: int) -> dict[str, float]:
+        result = self.on_step(step)
+        if result.reset_optimizer and self.optimizer is not None:
+            self.optimizer.state.clear()
+        return result.metrics or {}
+
+    def eval_weights(self, step: int):
+        """A node evaluates the weights it holds (the master: the final global, see finish)."""
+        return nullcontext()
+
+    def finish(self) -> bool:
+        """End of training: the last upload (within shutdown_timeout) and, on the master, the outer loop's
+        last round (the workers' last deltas, within drain_seconds), whose global is installed for the
+        final evaluation. True when the model changed."""
+        self.close()
+        if self.outer is None or (final := self.outer.snapshot()).outer_step <= self.installed_outer_step:
+            return False
+        with torch.no_grad():
+            for k, t in self.model.state_dict().items():
+                t.copy_(final.state[k])
+        log.info(
+            f"master: installed the final global (outer step {final.outer_step}) for the final evaluation"
+        )
+        return True
+
+    def connect(self) -> None:
+        connect(self)  # startup.py: open the repository; a worker waits for the first global
+
+    def start(self) -> None:
+        """Once the trainer has restored its checkpoint, before the first forward pass: connect, continue
+        from the latest global (or the checkpoint's inner loop), start the lanes and the master's loop."""
+        s = self.s
+        if self.closed:
+            raise s.error("this node was closed; it cannot be started again")
+        if self.started:
+            return
+        self.connect()
+        if s.is_master:
+            start_master(self)
+        elif (newer := self._safe_fetch()) is not None:
+            self.stage(newer)
+        if self._resume is not None:
+            self._resume_inner_loop()
+        elif not self._install_staged():
+            raise self.s.error("the global model cannot be installed into this model")
+        for lane, on in (("upload", s.async_delta_upload), ("poll", s.async_global_poll and not s.is_master)):
+            self._lanes[lane] = ThreadPoolExecutor(1, f"dumb-diloco-{lane}-{s.node_id}") if on else _Inline()
+        self._last_poll = self.clock()
+        self.started = True
+        upload, poll = ("async" if on else "sync" for on in (s.async_delta_upload, s.async_global_poll))
+        poll = "callback" if s.is_master else poll
+        log.info(
+            f"node {s.node_id} ({s.role}, {upload} upload, {poll} poll): starting from global outer step "
+            f"{self.installed_outer_step}, a delta every {s.inner_steps} steps"
+        )
+
+    def summary(self) -> dict:
+        """Final figures (pure: what was counted so far; `close` first to count the in-flight work)."""
+        return self.metrics() | {
+            "comm/boundary_stall_seconds": self.boundary_stall_seconds,
+            "comm/boundary_stall_seconds_mean": self.boundary_stall_seconds / max(self.boundaries, 1),
+            "comm/boundary_stall_seconds_max": self.max_boundary_stall,
+            "comm/boundaries": self.boundaries,
+            "outer/rejected_globals": self.rejected_globals,
+            "dumb_diloco/role": self.s.role,
+            "dumb_diloco/node_id": self.s.node_id,
+        }
+
+    def state_dict(self) -> dict:
+        """Counters, the installed outer step and (master) the full outer state; past the spec, the
+        baseline, the steps since it and a failed upload's carry, so that a node restarted from this
+        checkpoint continues its inner loop exactly (its next delta is the uninterrupted one)."""
+        out: dict = {k: getattr(self, k) for k in _COUNTERS}
+        out |= {
+            "installed_outer_step": self.installed_outer_step,
+            "local_step": self.local_step,
+            "steps_since_capture": self._steps_since_capture,
+            "baseline": {k: t.clone() for k, t in self._baseline.items()},
+        }
+        if (c := self._carry) is not None:
+            delta = {k: t.clone() for k, t in c.delta.items()}
+            out["carry"] = {"delta": delta, "base_outer_step": c.meta.base_outer_step, "steps": c.steps}
+        if self.outer is not None:
+            with self.outer.lock:
+                out["master"] = self.outer.state.to_checkpoint()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Before `start`: counters now; the master state and a mid-inner-loop baseline at `start`."""
+        for k in _COUNTERS:
+            if k in state:
+                setattr(self, k, type(getattr(self, k))(state[k]))
+        if "master" in state and self.s.is_master:
+            self.ckpt_master = MasterState.from_checkpoint(state["master"])
+        if state.get("baseline") and (state.get("steps_since_capture") or state.get("carry")):
+            self._resume = state  # progress since the last boundary: continue that inner loop exactly
+        # else: at a boundary; starting from the newest global is what the uninterrupted node would do
+
+    def _resume_inner_loop(self) -> None:
+        """Continue the checkpoint's inner loop: the live model already holds the checkpoint's weights;
+        restore the baseline, its global version and the steps since it. A newer global stays staged and
+        is installed at the next boundary, after that boundary's delta captured the progress."""
+        r, self._resume = self._resume, None
+        assert r is not None
+        expected = {k: self._global_layout[k] for k in self._delta_keys}
+        if {k: (tuple(t.shape), t.dtype) for k, t in r["baseline"].items()} != expected:
+            raise self.s.error("the checkpoint's DumbDiLoCo baseline is not of this model")
+        self._baseline = {k: t.detach().to("cpu", copy=True) for k, t in r["baseline"].items()}
+        self.installed_outer_step = int(r["installed_outer_step"])
+        self.local_step = int(r.get("local_step", 0))
+        self._steps_since_capture = int(r.get("steps_since_capture", 0))
+        if c := r.get("carry"):
+            meta = DeltaMeta(self.s.node_id, 0, int(c["base_outer_step"]))
+            self._carry = DeltaJob(0, "", meta, int(c["steps"]), delta=dict(c["delta"]))
+        log.info(
+            f"node {self.s.node_id}: resumed mid-inner-loop at local step {self.local_step} (baseline of "
+            f"global outer step {self.installed_outer_step}, {self._steps_since_capture} step(s) since)"
+        )
+
+    def close(self) -> None:
+        """Bounded shutdown (idempotent): wait for an in-flight upload and (master) a last outer round."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._upload is not None:
+            job, future = self._upload
+            if wait_futures([future], self.s.shutdown_timeout).not_done:
+                log.warning(
+                    f"node {self.s.node_id}: {job.path} ({job.steps} step(s)) was still uploading after "
+                    f"shutdown_timeout {self.s.shutdown_timeout:g}s; leaving it (it may not arrive)"
+                )
+            self._collect_lanes()
+        for lane in self._lanes.values():
+            lane.shutdown(wait=False, cancel_futures=True)
+        if self.outer is not None:
+            if not self.outer.stop(self.s.drain_seconds, self.s.shutdown_timeout):
+                log.warning("master: the outer loop was still running after the shutdown timeout; leaving it")
+            self.outer.save_state()
+        if self._carry is not None:
+            log.warning(
+                f"node {self.s.node_id}: {self._carry.steps} step(s) of progress were never uploaded "
+                "(upload failed)"
+            )
