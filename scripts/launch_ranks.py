@@ -13,6 +13,7 @@ failure is torchrun's own report, unchanged.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from torch.distributed import run as torchrun
@@ -39,11 +40,16 @@ def _quiet_on_stop(handler):
 
 
 class _ExpectedExits(logging.Filter):
-    """Drops torchrun's "failed (exitcode: 130|2) local_rank: ..." line: the rank said why itself."""
+    """Drops torchrun's "failed (exitcode: 130|2) local_rank: ..." line (the rank said why itself) and
+    its "Sending process N closing signal" lines (ending the other ranks is routine; a real failure
+    still ends in torchrun's own report)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        expected = str(record.msg).startswith("failed (exitcode") and record.args
-        return not (expected and record.args[0] in (STOPPED, USER_ERROR))
+        msg = str(record.msg)
+        expected = msg.startswith("failed (exitcode") and record.args
+        return not (expected and record.args[0] in (STOPPED, USER_ERROR)) and not msg.startswith(
+            "Sending process"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,8 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         return STOPPED
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
-        if codes in ({STOPPED}, {USER_ERROR}):
-            return codes.pop()
+        # torchrun ends the other ranks (SIGTERM, then SIGKILL) as soon as one exits: whichever got there
+        # first may be the only one that said why, the rest show the signal
+        for ours in (STOPPED, USER_ERROR):
+            if ours in codes and codes <= {ours, -signal.SIGTERM, -signal.SIGKILL}:
+                return ours
         raise
     return 0
 
