@@ -46,3 +46,31 @@ def test_ddp_under_torchrun_counts_bytes_and_keeps_ranks_identical(tmp_path):
     states = [torch.load(checkpoint.latest(run) / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     w0, w1 = states[0]["model"], states[1]["model"]
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+# ------------------------------------------------------------------------------------------ stopping together
+def stop_rank(requests: dict[int, int], steps: int) -> int:
+    """One rank: its stop request arrives at step requests[rank] (if any); returns the step it stops at."""
+    import torch.distributed as dist
+
+    from diloco.distributed import DistContext, StopAgreement
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ctx = DistContext(rank=rank, world_size=dist.get_world_size())
+    agree, step = StopAgreement(ctx), 0
+    while step < steps and not agree(rank in requests and step >= requests[rank]):
+        step += 1
+        if step % 2:  # an uneven pace: the other rank's request is seen through the all-reduce only
+            dist.all_reduce(torch.zeros(1))
+    agree.finish()
+    dist.destroy_process_group()
+    return step
+
+
+def test_every_rank_stops_after_the_same_step():
+    """Rank 1 alone sees the Ctrl+C (at step 3): both ranks stop after step 4, one step later."""
+    from mp_utils import run_ranks
+
+    assert run_ranks("test_ddp:stop_rank", 2, requests={1: 3}, steps=10) == [4, 4]
+    assert run_ranks("test_ddp:stop_rank", 2, requests={}, steps=5) == [5, 5]

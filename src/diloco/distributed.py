@@ -5,7 +5,9 @@ about ranks; the model and the data pipeline are given a shard index and nothing
 from __future__ import annotations
 
 import inspect
+import logging
 import os
+import signal
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -16,6 +18,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from diloco.config import ConfigError, check_distributed
+
+log = logging.getLogger("diloco")
 
 
 @dataclass
@@ -252,6 +256,54 @@ def _counting_allreduce_hook(state: DataParallel, bucket):
     buf = bucket.buffer()
     state.total_bytes += buf.numel() * buf.element_size()
     return default_hooks.allreduce_hook(state.group, bucket)
+
+
+class StopFlag:
+    """Ctrl+C / SIGTERM finish the current step, checkpoint, and exit; a second Ctrl+C aborts."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def install(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("stop requested: finishing this step, then writing a checkpoint")
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class StopAgreement:
+    """Every rank stops after the same step. Each call posts this rank's stop request (a one-element MAX
+    all-reduce, asynchronous) and returns the previous call's result, so its latency hides behind a step
+    and all ranks, which call it once per step, decide alike one step after the first request."""
+
+    def __init__(self, ctx: DistContext):
+        self.ctx, self._pending = ctx, None
+
+    def __call__(self, requested: bool) -> bool:
+        if not self.ctx.initialized:
+            return requested
+        agreed = self.finish()
+        flag = torch.tensor([float(requested)], device=self.ctx.device)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+        return agreed
+
+    def finish(self) -> bool:
+        """Wait for the last posted request (every rank posted as many)."""
+        if self._pending is None:
+            return False
+        work, flag = self._pending
+        work.wait()
+        self._pending = None
+        return bool(flag.item())
 
 
 def shutdown_distributed(ctx: DistContext, clean: bool = True) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -42,6 +41,8 @@ from diloco.data import DataError, PrefetchedStream, SequenceStream, eval_batche
 from diloco.distributed import (
     DistContext,
     DistributedError,
+    StopAgreement,
+    StopFlag,
     init_distributed,
     shutdown_distributed,
 )
@@ -95,28 +96,6 @@ def evaluate(model, batches, device, autocast) -> float:
         count += int((targets != -100).sum())
     model.train()
     return float(total) / max(count, 1)
-
-
-class StopFlag:
-    """Ctrl+C / SIGTERM finish the current step, checkpoint, and exit; a second Ctrl+C aborts."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
-
-    def install(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        log.warning("stop requested: finishing this step, then writing a checkpoint")
-
-    def restore(self):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def setup_logging(run_dir: Path, ctx: DistContext) -> None:
@@ -204,7 +183,8 @@ def run(cfg: DictConfig) -> int:
     # ----------------------------------------------------------------------------- loop
     micro, max_steps = cfg.train.micro_batch_size, cfg.train.max_steps
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len  # per DiLoCo worker; global for DDP
-    stop = StopFlag()
+    stop, agree_to_stop = StopFlag(), StopAgreement(ctx)  # ranks see a Ctrl+C at different steps
+    stopping = False
     stop.install()
     show = ctx.is_main and cfg.train.progress
     bar = tqdm(total=max_steps, initial=step, disable=not show, dynamic_ncols=True, desc=cfg.run_name)
@@ -212,7 +192,7 @@ def run(cfg: DictConfig) -> int:
     window_start, window_tokens = time.perf_counter(), 0
     status, exit_code = "completed", 0
     try:
-        while step < max_steps and not stop.requested:
+        while step < max_steps and not (stopping := agree_to_stop(stop.requested)):
             t0 = time.perf_counter()
             step_loss = torch.zeros((), device=device)
             for i in range(accum):
@@ -259,7 +239,8 @@ def run(cfg: DictConfig) -> int:
                 save_checkpoint()
 
         # ------------------------------------------------------------------------- the end
-        if stop.requested:
+        stopping = stopping or agree_to_stop.finish()  # the ranks' last posted requests, waited for
+        if stopping:
             status, exit_code = "interrupted", 130
             try:
                 save_checkpoint()
