@@ -165,3 +165,20 @@ def test_wandb_offline_run_is_recorded_and_never_fails(tmp_path, monkeypatch):
     run_dir = train(tmp_path, "train.max_steps=2", "wandb.mode=null", name="wb")
     assert (run_dir / "wandb").is_dir()
     assert read_metrics(run_dir)[-1]["step"] == 2
+
+
+def test_a_token_on_the_command_line_leaves_sys_argv_and_the_records(tmp_path, monkeypatch):
+    """W&B records the program's arguments (sys.argv) in its run files: a token given as an override
+    is removed from them, and from the run's config.yaml, before anything is written."""
+    from trainer_utils import compose_cfg
+
+    from diloco.distributed import DistContext
+    from diloco.train import record_config
+
+    planted = "hf_plantedSECRETtoken123"
+    overrides = ["distributed=dumb_diloco", f"distributed.token={planted}"]
+    monkeypatch.setattr(sys, "argv", ["diloco/train.py", *overrides])
+    resolved = record_config(compose_cfg(overrides), tmp_path, DistContext())
+    assert planted not in " ".join(sys.argv) and "distributed.token=<redacted>" in sys.argv
+    assert resolved["distributed"]["token"] == "<redacted>"
+    assert planted not in (tmp_path / "config.yaml").read_text()

@@ -246,6 +246,7 @@ class Node:
             self.transport.write(
                 {job.path: blob}, message=f"{self.s.node_id}: delta at local step {job.local_step}"
             )
+            job.delta = None  # uploaded: freed here, not on the training thread (860 MB at 150M: ~30 ms)
             return len(blob)
         finally:
             job.seconds = time.perf_counter() - t0
