@@ -146,14 +146,16 @@ notes=$("$PY" scripts/plan.py check "${TRAIN_ARGS[@]}" 2>&1) || die "${notes#err
 
 LOG_DIR=$EXP_OUT_DIR/$RUN_NAME
 LOG=$LOG_DIR/launch-node$NODE_RANK.log
+# the command as shown and logged: a token given as an override never reaches the terminal or the log
+SHOWN=$(printf '%q ' "${CMD[@]}" | sed -E 's/(distributed\.token=)[^ ]*/\1<redacted>/g')
 if [[ $DRY_RUN == 1 ]]; then
   role=""; [[ $EXP_MODE != dumb_diloco ]] || role=" ($ROLE $NODE_ID, data shard $SHARD of $EXP_WORKERS)"
   echo "# $EXPERIMENT: mode $EXP_MODE, $EXP_NODES node(s) x $EXP_GPUS_PER_NODE, this is node $NODE_RANK$role; log $LOG"
-  echo "OMP_NUM_THREADS=$OMP_NUM_THREADS TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING NCCL_DEBUG=$NCCL_DEBUG $(printf '%q ' "${CMD[@]}")"
+  echo "OMP_NUM_THREADS=$OMP_NUM_THREADS TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING NCCL_DEBUG=$NCCL_DEBUG $SHOWN"
   exit 0
 fi
 mkdir -p "$LOG_DIR"
-echo "# $(date -u +%FT%TZ) $(printf '%q ' "${CMD[@]}")" >> "$LOG"
+echo "# $(date -u +%FT%TZ) $SHOWN" >> "$LOG"
 # In the background, so that a SIGTERM sent to this script is passed on to the run (a waiting bash
 # would die and leave it running); a Ctrl+C reaches it from the terminal, once (`trap - INT`: a
 # background command would otherwise start with Ctrl+C ignored). tee -i keeps logging through the

@@ -293,6 +293,15 @@ def test_a_dumb_diloco_worker_takes_shard_and_label_from_its_node_rank():
     assert "data.shard=3" in cmd and "data.num_shards=8" in cmd
 
 
+def test_a_token_override_is_shown_redacted_by_the_launcher():
+    """launch_node.sh prints the command (dry run) and logs it (launch-node<R>.log) from one redacted
+    string: a token given after `--` reaches neither (issue 14, finding 3)."""
+    out = launch("--role", "worker", "--node-rank", "3", *DUMB, "--", "distributed.token=hf_plantedSECRET123")
+    assert out.returncode == 0, out.stderr
+    assert "hf_plantedSECRET123" not in out.stdout + out.stderr
+    assert "distributed.token=<redacted>" in out.stdout
+
+
 def test_a_run_on_more_nodes_is_a_documented_flag():
     out = launch(
         "--experiment", "150m/ddp_1x", "--nodes", "2", "--node-rank", "1", "--rdzv", "h:1", "--dry-run"
