@@ -102,7 +102,7 @@ def dry_run_memory(mode: str, params: int) -> int:
 def dry_overrides(name: str, out: Path, mode: str) -> list[str]:
     """Two real optimizer steps of the config's real model shape on CPU, seconds not minutes: batch 1 of
     32 tokens from the bundled sample, a schedule of two steps, and for DumbDiLoCo a lone master that
-    polls every second and does not wait for late deltas (drain_seconds=0)."""
+    polls every second and does not wait for other nodes (drain_timeout=0: one last round)."""
     overrides = [
         f"experiment={name}",
         "device=cpu",
@@ -136,7 +136,7 @@ def dry_overrides(name: str, out: Path, mode: str) -> list[str]:
             f"distributed.state_dir={out}/state",
             "distributed.inner_steps=2",
             "distributed.poll_interval=1",
-            "distributed.drain_seconds=0",
+            "distributed.drain_timeout=0",
             "distributed.lease_seconds=0",
             "data.shard=0",
             "data.num_shards=1",

@@ -19,6 +19,7 @@ from diloco.dumb_diloco.tensor_format import (
     DeltaMeta,
     delta_path,
     encode,
+    parse_header,
 )
 from diloco.dumb_diloco.transport import DirectoryTransport, TransientError
 
@@ -168,8 +169,11 @@ def publish_raw(
 def put_delta(
     transport, node_id: str, local_step: int, tensors: dict[str, torch.Tensor], base: int = 0, **meta
 ):
+    """Upload a delta as node `node_id` would; returns its payload SHA-256."""
     header = DeltaMeta(node_id, local_step, base).to_header() | meta
-    transport.write({delta_path(node_id, local_step): encode(tensors, header)})
+    blob = encode(tensors, header)
+    transport.write({delta_path(node_id, local_step): blob})
+    return parse_header(blob).metadata["payload_sha256"]
 
 
 def worker(

@@ -147,16 +147,16 @@ def test_processed_deltas_beyond_keep_deltas_are_deleted_in_the_publication(tmp_
         max_file_bytes=2**20,
         keep_deltas=1,
     )
-    for step in (3, 6, 9):
-        put_delta(repo, "a", step, g(0.1))
-        put_delta(repo, "b", step, g(0.2))
+    for step in (3, 6, 9):  # distinct payloads: a copy would be a duplicate
+        put_delta(repo, "a", step, g(step + 0.1))
+        put_delta(repo, "b", step, g(step + 0.2))
         loop.run_once()
     put_delta(repo, "b", 12, {"w": torch.zeros(5)})  # rejected: processed too, so collected in turn
     loop.run_once()  # no outer step: nothing published, nothing deleted
     listed = {f.path for f in repo.list("nodes")}
     assert listed == {delta_path("a", 9), delta_path("b", 9), delta_path("b", 12)}
     n_writes = repo.count("write")
-    put_delta(repo, "a", 12, g(0.1))
+    put_delta(repo, "a", 12, g(12.1))
     loop.run_once()
     assert repo.count("write") == n_writes + 2  # the delta's upload and ONE publication (with the deletions)
     assert {f.path for f in repo.list("nodes")} == {delta_path("a", 12), delta_path("b", 12)}
@@ -178,7 +178,7 @@ def test_gc_never_blocks_a_publication(tmp_path):
     )
     put_delta(repo, "a", 3, g(0.1))
     loop.run_once()
-    put_delta(repo, "a", 6, g(0.1))
+    put_delta(repo, "a", 6, g(0.2))
     repo.delete([delta_path("a", 3)])  # someone else deleted the delta the master will collect
     loop._processed_paths[delta_path("a", 3)] = ("a", 3)
     assert loop.run_once().published
@@ -203,13 +203,13 @@ def test_second_master_refuses_while_the_lease_is_fresh_and_takes_over_after(tmp
 
 
 def test_a_lease_is_fresh_for_the_longer_of_the_holders_and_the_readers_lease_seconds(tmp_path):
-    repo = DirectoryTransport(tmp_path / "repo")
-    repo.write({LEASE_PATH: json.dumps({"master": "m", "heartbeat": 1000.0, "lease_seconds": 10}).encode()})
-    assert lease_holder(repo, "m", 10, now=1001.0) is None  # a master's own lease never holds it back
-    assert lease_holder(repo, "m2", 10, now=1009.5) == ("m", 9.5)
-    assert lease_holder(repo, "m2", 1, now=1009.5) == ("m", 9.5)  # the holder's 10 s, not the reader's 1 s
-    assert lease_holder(repo, "m2", 10, now=1010.0) is None  # expired
-    assert lease_holder(repo, "m2", 60, now=1030.0) == ("m", 30.0)  # the reader's longer lease counts too
+    lease = {"master": "m", "instance": "i1", "heartbeat": 1000.0, "lease_seconds": 10}
+    assert lease_holder(lease, "i1", 10, now=1001.0) is None  # this process's own lease never holds it back
+    assert lease_holder(lease, "i2", 10, now=1009.5) == ("m", 9.5)  # another process, even with id "m"
+    assert lease_holder(lease, "i2", 1, now=1009.5) == ("m", 9.5)  # the holder's 10 s, not the reader's 1 s
+    assert lease_holder(lease, "i2", 10, now=1010.0) is None  # expired
+    assert lease_holder(lease, "i2", 60, now=1030.0) == ("m", 30.0)  # the reader's longer lease counts too
+    assert lease_holder(lease | {"released": True}, "i2", 60, now=1001.0) is None  # a clean stop released it
 
 
 def test_a_master_whose_lease_was_taken_stops_publishing(tmp_path):

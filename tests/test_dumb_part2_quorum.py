@@ -117,8 +117,8 @@ def test_staleness_is_recorded_for_every_delta(tmp_path):
     loop, repo = make_loop(tmp_path)
     put_delta(repo, "a", 5, g(1.0), base=0)
     loop.run_once()  # step 0 -> 1
-    put_delta(repo, "a", 10, g(1.0), base=1)
-    put_delta(repo, "b", 5, g(1.0), base=0)
+    put_delta(repo, "a", 10, g(2.0), base=1)  # distinct payloads: a copy would be a duplicate
+    put_delta(repo, "b", 5, g(3.0), base=0)
     put_delta(repo, "c", 5, {"w": torch.zeros(3)}, base=0)  # rejected: wrong shape
     loop.run_once()  # step 1 -> 2
     st = {(e.node_id, e.local_step): (e.status, e.staleness) for e in loop.state.ledger.entries()}

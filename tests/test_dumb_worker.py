@@ -403,8 +403,8 @@ def test_num_peers_comes_from_the_installed_round(tmp_path):
         state_dir=None,
         max_file_bytes=2**20,
     )
-    for node in ("a", "b", "c"):
-        put_delta(repo.inner, node, 3, {"w": torch.ones(2, 2), "b": torch.ones(2)})
+    for i, node in enumerate(("a", "b", "c")):  # distinct payloads: a copy would be a duplicate
+        put_delta(repo.inner, node, 3, {"w": torch.full((2, 2), 1.0 + i), "b": torch.ones(2)})
     loop.run_once()
     metrics = [coord.on_step(s).metrics for s in (1, 2, 3)][-1]
     assert metrics["outer/step"] == 1 and metrics["num_peers"] == 3

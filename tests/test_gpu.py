@@ -73,7 +73,7 @@ def test_dumb_diloco_master_and_worker_on_the_device(tmp_path):
     common = [
         *SMALL, *GPU, "precision=bf16", "compile=false", f"out_dir={tmp_path}",
         "distributed=dumb_diloco", f"distributed.repo_id={repo}", "distributed.inner_steps=4",
-        "distributed.poll_interval=0.2", "distributed.drain_seconds=10", "distributed.startup_timeout=120",
+        "distributed.poll_interval=0.2", "distributed.drain_timeout=120", "distributed.startup_timeout=120",
         f"distributed.state_dir={tmp_path / 'state'}", "data.num_shards=2",
     ]  # fmt: skip
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}

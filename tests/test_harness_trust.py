@@ -106,10 +106,10 @@ def test_the_committed_tiny_record_is_judged_with_its_verdicts(capsys):
 # ------------------------------------------------------------------------------------------ 2 dry runs
 def test_the_dumb_diloco_dry_run_leg_uses_seconds_not_minutes(tmp_path):
     name = "150m/dumb_diloco_8n_h500"
-    assert compose_overrides([f"experiment={name}"]).distributed.drain_seconds == 300  # the real run waits
+    assert compose_overrides([f"experiment={name}"]).distributed.drain_timeout == 1800  # the real run waits
     cfg = compose_overrides(replicate.dry_overrides(name, tmp_path, "dumb_diloco"))
     validate(cfg)
-    assert cfg.distributed.drain_seconds == 0 and cfg.distributed.poll_interval <= 1
+    assert cfg.distributed.drain_timeout == 0 and cfg.distributed.poll_interval <= 1
     assert cfg.distributed.state_dir.startswith(str(tmp_path))  # nothing left in the repository
 
 

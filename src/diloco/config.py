@@ -319,7 +319,7 @@ def check_dumb_diloco(d: Any) -> None:
     _number(d, "outer_momentum", p, 0, strict=False, hi=1)
     _number(d, "startup_timeout", p, 0)
     _number(d, "shutdown_timeout", p, 0, strict=False)
-    _number(d, "drain_seconds", p, 0, strict=False)
+    _number(d, "drain_timeout", p, 0, strict=False)
     _number(d, "request_timeout", p, 0)
     _number(d, "min_deltas_per_round", p, 0, strict=False, integer=True)
     _number(d, "delayed_nesterov_period", p, 1, strict=False, integer=True)

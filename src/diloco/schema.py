@@ -203,7 +203,8 @@ class DumbDiLoCoConfig:
     # not in the specification:
     startup_timeout: float = 600  # seconds a worker waits for the repository and the first global
     shutdown_timeout: float = 120  # seconds close() waits for an in-flight upload/poll/outer round
-    drain_seconds: float = 0  # master: at the end keep aggregating until no new delta for this long
+    # master: at the end keep aggregating until every node's final delta is processed, at most this long
+    drain_timeout: float = 600
     max_file_bytes: Optional[int] = None  # cap on any downloaded file; None = 2 x model size + 16 MiB
     request_timeout: float = 60  # seconds per Hub HTTP request
     retry: RetryConfig = field(default_factory=RetryConfig)

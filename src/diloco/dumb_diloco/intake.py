@@ -8,16 +8,38 @@ postpones a file to the next poll (`transient`). Prose: docs/dumb_diloco.md ("Ma
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
 import torch
 
-from .recovery import LedgerEntry
-from .tensor_format import NODES_DIR, DeltaMeta, InvalidTensorFile, decode, parse_delta_path
+from .recovery import Ledger, LedgerEntry
+from .tensor_format import NODES_DIR, DeltaMeta, InvalidTensorFile, decode, parse_delta_path, validate_node_id
 from .transport import FileTooLarge, RemoteNotFound, Transport, TransportError
 
 log = logging.getLogger("diloco.dumb_diloco")
+FINAL_MARKER = (
+    "final.json"  # nodes/<node_id>/final.json: the node's last delta, written after it (not the spec)
+)
+MARKER_MAX_BYTES = 2**16
+
+
+def final_marker_path(node_id: str) -> str:
+    return f"{NODES_DIR}/{node_id}/{FINAL_MARKER}"
+
+
+def parse_final_marker(raw: bytes, node_id: str) -> tuple[int, str] | None:
+    """(local step, payload SHA-256) of the last delta a finished node names (-1, "" if it sent none);
+    None if the marker is not a valid one of `node_id`."""
+    try:
+        m = json.loads(raw)
+        step, sha = m["last_local_step"], m["last_delta_sha256"]
+        if m["node_id"] != node_id or isinstance(step, bool) or not isinstance(step, int) or step < -1:
+            return None
+        return (step, sha) if isinstance(sha, str) else None
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+        return None
 
 
 @dataclass
@@ -52,16 +74,22 @@ class Intake:
         self.headers: dict[tuple[str, str], Candidate] = {}  # (path, version) -> identity from its header
         self.transient = False  # this round skipped something after a transport error (retried next poll)
         self.refused: list[tuple[str, int, str, str]] = []  # (node, step, tag, reason) from the last listing
+        self.markers: dict[str, object] = {}  # node -> its nodes/<node>/final.json (RemoteFile), last listing
+        self._marker_cache: dict[tuple[str, str], tuple[int, str] | None] = {}  # (path, version) -> parsed
         self.bytes_downloaded = 0
 
     def list(self, revision: str) -> list:
-        """The delta files to consider; files refused from their path alone (past the spec: a node
-        outside `collaborators`, a path-unsafe node directory) go to `self.refused` for the ledger."""
-        out, self.refused = [], []
+        """The delta files to consider. Files refused from their path alone (past the spec: a node outside
+        `collaborators`, anything under nodes/ that is not a delta) go to `self.refused` for the ledger;
+        final markers to `self.markers`."""
+        out, self.refused, self.markers = [], [], {}
         for f in self.transport.list(NODES_DIR, revision):
             parsed = parse_delta_path(f.path)
-            if parsed is None:
-                self._refuse_unsafe(f.path)
+            parts = f.path.split("/")
+            if parsed is None and len(parts) == 3 and parts[2] == FINAL_MARKER and _is_node_id(parts[1]):
+                self.markers[parts[1]] = f
+            elif parsed is None:
+                self._refuse(f)
             elif self.allowed is not None and parsed[0] not in self.allowed:
                 if parsed[0] not in self.ignored_nodes:
                     self.ignored_nodes.add(parsed[0])
@@ -73,14 +101,20 @@ class Intake:
                 out.append(f)
         return out
 
-    def _refuse_unsafe(self, path: str) -> None:
-        """nodes/<dir>/delta_<n>.safetensors whose <dir> is not a valid node id (e.g. '..', spaces)."""
-        parts = path.split("/")
-        if len(parts) < 3 or not parts[-1].startswith("delta_") or not parts[-1].endswith(".safetensors"):
-            return  # not shaped like a delta (a README, a stray file): ignored
-        step, node = parts[-1].removeprefix("delta_").removesuffix(".safetensors"), "/".join(parts[1:-1])
-        reason = f"path-unsafe node directory {node!r} in {path}"
-        self.refused.append((node, int(step) if step.isdigit() else -1, f"unsafe-path:{path}", reason))
+    def _refuse(self, f) -> None:
+        """A file under nodes/ that is not nodes/<node_id>/delta_<n>.safetensors nor a final marker: on
+        the record (one ledger entry per path and version) and never read."""
+        parts, version = f.path.split("/"), getattr(f, "version", "") or f"{f.size}"
+        node = "/".join(parts[1:-1]) or "(none)"
+        name = parts[-1].removeprefix("delta_").removesuffix(".safetensors")
+        if not _is_node_id(node):
+            reason = f"path-unsafe node directory {node!r} in {f.path}"
+        else:
+            reason = (
+                f"not a delta file name: {f.path} (expected {NODES_DIR}/<node_id>/delta_<step>.safetensors)"
+            )
+        step = int(name) if name.isdigit() and len(name) < 19 else -1
+        self.refused.append((node, step, f"bad-path:{f.path}@{version}", reason))
 
     def candidate(self, f, revision: str) -> Candidate | None:
         """The delta's identity from its path and header (the header only once per file version)."""
@@ -96,11 +130,11 @@ class Intake:
         node_id, local_step = parse_delta_path(f.path)  # type: ignore[misc]
         if f.size > self.max_file_bytes:  # refused from the listing: not even its header is read
             reason = f"file is {f.size} bytes, over the cap of {self.max_file_bytes} (max_file_bytes)"
-            return Candidate(f.path, node_id, local_step, f"oversized-{f.size}", reason=reason)
+            return Candidate(f.path, node_id, local_step, _tag("oversized", f), reason=reason)
         try:
             header = self.transport.read_header(f.path, revision)
-        except InvalidTensorFile as err:  # no readable header, so no hash: identify it by its size
-            return Candidate(f.path, node_id, local_step, f"unreadable-{f.size}", reason=err.reason)
+        except InvalidTensorFile as err:  # no readable header, so no hash: identify it by its version
+            return Candidate(f.path, node_id, local_step, _tag("unreadable", f), reason=err.reason)
         except RemoteNotFound:
             return None
         except TransportError as err:  # transient: try again next poll
@@ -110,7 +144,7 @@ class Intake:
         sha = header.metadata.get("payload_sha256", "")
         if not sha:
             return Candidate(
-                f.path, node_id, local_step, f"no-sha-{f.size}", reason="metadata has no payload_sha256"
+                f.path, node_id, local_step, _tag("no-sha", f), reason="metadata has no payload_sha256"
             )
         try:
             return Candidate(f.path, node_id, local_step, sha, DeltaMeta.from_header(header.metadata))
@@ -145,3 +179,69 @@ class Intake:
         if meta.get("payload_sha256") != c.sha256:
             return "the file changed between its header and its download"
         return tensors
+
+    # ---- duplicates, and the end of a run
+
+    def duplicate_of(self, c: Candidate, ledger: Ledger, seen: dict[str, str]) -> str | None:
+        """Why `c` is a duplicate: its payload SHA-256 was applied, or is pending (`seen`: sha -> who),
+        under another identity (a copy uploaded under another node or step). None if it is not one."""
+        if c.reason or not c.meta:
+            return None
+        if (e := ledger.applied_payload(c.sha256)) is not None:
+            return f"same payload (SHA-256) as {e.node_id}@{e.local_step}, {e.status} at outer step {e.outer_step}"
+        if c.sha256 in seen:
+            return f"same payload (SHA-256) as {seen[c.sha256]}, pending in this round"
+        return None
+
+    def unfinished(
+        self, listed: list[Candidate], ledger: Ledger, master: str, revision: str
+    ) -> dict[str, str]:
+        """At the end of a run: every node whose final delta is not processed yet, and why. The nodes are
+        `collaborators` (and the master), or else every node with a delta or a final marker in nodes/; a
+        node is finished when its marker (nodes/<node>/final.json, written after its last upload) names a
+        processed delta and nothing newer of it waits."""
+        nodes = set(self.allowed) if self.allowed else {c.node_id for c in listed} | set(self.markers)
+        out = {}
+        for node in sorted(nodes | {master}):
+            mine = [c for c in listed if c.node_id == node]
+            waiting = [c for c in mine if c.identity not in ledger]
+            final = self._read_marker(node, revision)
+            if final is None or any(c.local_step > final[0] for c in mine):
+                out[node] = "no final marker yet" + (f", {len(waiting)} delta(s) waiting" if waiting else "")
+            elif waiting:
+                out[node] = f"{len(waiting)} delta(s) waiting: " + ", ".join(c.path for c in waiting[:3])
+            elif (
+                final[0] >= 0
+                and (node, *final) not in ledger
+                and not any(c.local_step == final[0] for c in mine)
+            ):
+                out[node] = f"its final delta (local step {final[0]}) is not in the repository yet"
+        return out
+
+    def _read_marker(self, node: str, revision: str) -> tuple[int, str] | None:
+        """(last local step, its payload SHA-256) from the node's final marker; None without a valid one."""
+        f = self.markers.get(node)
+        if f is None:
+            return None
+        key = (f.path, getattr(f, "version", "") or str(f.size))
+        if key not in self._marker_cache:
+            try:
+                raw = self.transport.read(f.path, revision, max_bytes=MARKER_MAX_BYTES)
+            except TransportError as err:
+                log.warning("master: cannot read %s (%s); will retry", f.path, err)
+                return None
+            self._marker_cache[key] = parse_final_marker(raw, node)
+        return self._marker_cache[key]
+
+
+def _is_node_id(name: str) -> bool:
+    try:
+        validate_node_id(name)
+        return True
+    except ValueError:
+        return False
+
+
+def _tag(kind: str, f) -> str:
+    """The identity of a file with no usable payload hash: its kind, size and version (one entry each)."""
+    return f"{kind}-{f.size}-{getattr(f, 'version', '')}".rstrip("-")

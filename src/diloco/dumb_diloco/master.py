@@ -16,11 +16,11 @@ docs/dumb_diloco.md ("Master outer loop", "Past the specification").
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
@@ -28,24 +28,22 @@ from pathlib import Path
 import torch
 
 from .intake import Candidate, Intake
+from .publication import HF_CONFIG_PATH, garbage, global_files, lease_blob, ledger_blob
 from .recovery import (
     GLOBAL_LEDGER_PATH,
-    GLOBAL_MOMENTUM_PATH,
     LEASE_PATH,
     GlobalSnapshot,
     LedgerEntry,
     MasterState,
     delta_layout,
-    lease_holder,
+    read_lease,
     utc_now,
 )
-from .tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, encode, parse_header
 from .transport import Transport, TransportError
 
 log = logging.getLogger("diloco.dumb_diloco")
 
-HF_CONFIG_PATH = "config.json"
-HF_INDEX_PATH = "model.safetensors.index.json"
+LEDGER_EVERY_S = 60.0  # rejections reach the published ledger within this long (or with the next global)
 
 
 @dataclass
@@ -90,6 +88,9 @@ class OuterLoop:
     lease_seconds: float = 0.0  # 0: no lease
     wall_clock: Callable[[], float] = time.time
     init_sha256: str | None = None  # the master's initial weights, published for workers to compare
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex)  # this process, in the lease (fencing)
+    published_step: int = -1  # the global in the repository, as this master published or found it
+    published_sha256: str = ""
 
     def __post_init__(self):
         allowed = frozenset(self.collaborators) | {self.node_id} if self.collaborators else None
@@ -105,23 +106,13 @@ class OuterLoop:
         self._hf_config_written = False
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._drain_seconds, self._last_new_delta = 0.0, time.monotonic()
+        self._drain_timeout, self._draining = 0.0, False
+        self.unfinished: dict[str, str] = {}  # while draining: node -> why its final delta is not processed
+        self._ledger_dirty, self._last_ledger_write = False, -math.inf  # rejections not yet published
         # metrics (read by the training thread)
         self.rounds = self.deltas_accepted = self.deltas_rejected = self.last_num_peers = self.errors = 0
         self.bytes_uploaded = 0
         self.last_pseudo_grad_norm = 0.0
-
-    def mark_existing_as_processed(self) -> int:
-        """Put every delta now in the repository into the ledger as "preexisting" (a master adopting a
-        repository without its own state cannot know which were applied; re-applying them would be worse)."""
-        revision = self.transport.revision()
-        n = 0
-        for f in self.intake.list(revision):
-            c = self.intake.candidate(f, revision)
-            if c is not None and c.identity not in self.state.ledger:
-                self.state.ledger.add(c.entry("preexisting", self.state.outer_step))
-                n += 1
-        return n
 
     # ---- one poll: the ten steps
 
@@ -145,12 +136,12 @@ class OuterLoop:
         self._processed_paths = {
             c.path: (c.node_id, c.local_step) for c in candidates if c.identity in ledger
         }
+        listed_all = candidates
         candidates = [
             c for c in candidates if c.identity not in ledger and c.identity not in self._pending
         ]  # 3
-        if candidates:
-            self._last_new_delta = time.monotonic()
         result = RoundResult(outer_step=self.state.outer_step)
+        seen = {c.sha256: f"{c.node_id}@{c.local_step}" for c, _ in self._pending.values()}
         for node, step, tag, reason in self.intake.refused:
             if (node, step, tag) not in ledger:
                 result.rejected.append(
@@ -158,6 +149,12 @@ class OuterLoop:
                 )
                 log.warning("master: rejected delta %s@%s: %s", node, step, reason)
         for c in candidates:
+            if (
+                same := self.intake.duplicate_of(c, self.state.ledger, seen)
+            ) is not None:  # a copy of an applied delta: never again
+                result.rejected.append(c.entry("duplicate", self.state.outer_step, same))
+                log.warning("master: duplicate delta %s: %s", c.path, same)
+                continue
             tensors = self.intake.download(c, revision)  # 2 (payload) + 4
             if isinstance(tensors, str):
                 staleness = self._staleness(c.meta.base_outer_step if c.meta else -1)
@@ -166,11 +163,13 @@ class OuterLoop:
                 log.warning("master: rejected delta %s: %s", c.path, tensors)
             elif tensors is not None:
                 self._pending[c.identity] = (c, tensors)
+                seen[c.sha256] = f"{c.node_id}@{c.local_step}"
         valid = self._take_round(flush)
         with self.lock:
             for entry in result.rejected:
                 ledger.add(entry)
             self.deltas_rejected += len(result.rejected)
+            self._ledger_dirty |= bool(result.rejected)
             if valid:
                 mean = _average([t for _, t in valid], self._weights(valid))  # 5
                 result.pseudo_grad_norm = math.sqrt(
@@ -193,6 +192,10 @@ class OuterLoop:
             result.published = self.publish(result.applied)  # 7 + 8
         if valid or result.rejected:
             self.save_state()  # 9
+        if result.rejected and not valid:
+            self.heartbeat()  # the rejections reach the published ledger (at most once a minute)
+        if self._draining:
+            self.unfinished = self.intake.unfinished(listed_all, self.state.ledger, self.node_id, revision)
         if valid:
             self.on_snapshot(self.snapshot())  # 10
             result.seconds = time.perf_counter() - start
@@ -246,49 +249,23 @@ class OuterLoop:
         """Steps 7 and 8 in one write: the full global weights and global/step_count.json; past the spec,
         in the same write, the ledger and outer momentum (`publish_state`), the lease, and the deletion
         of processed deltas beyond `keep_deltas` per node (garbage collection)."""
-        if self.lease_seconds > 0 and time.monotonic() - self._last_lease_write > self.lease_seconds / 2:
-            with contextlib.suppress(TransportError):
-                self._check_fence()  # a long round: make sure no other master took the lease meanwhile
-        if self.fenced:
+        if self._fenced_before_write():
             log.error("master: not publishing: %s", self.fenced)
             return False
-        with self.lock:
-            outer_step, weights = self.state.outer_step, self.state.published()
-            ledger_rows = self.state.ledger.to_json() if self.publish_state else []
-            momentum = {f"momentum/{k}": t.clone() for k, t in self.state.momentum.items()}
-            momentum |= {f"delayed/{k}": t.clone() for k, t in self.state.delayed.items()}
-            delayed_count = self.state.delayed_count
-        common = {"outer_step": outer_step, "created_at": utc_now(), "master": self.node_id}
-        blob = encode(
-            weights, {k: str(v) for k, v in common.items()} | {"kind": "dumb_diloco_global", "format": "pt"}
-        )
-        common["global_sha256"] = parse_header(blob).metadata["payload_sha256"]
-        step_info = common | {
-            "format_version": "1",
+        outer = {
             "outer_lr": self.outer_lr,
             "outer_momentum": self.outer_momentum,
+            "init_sha256": self.init_sha256,
         }
-        if self.init_sha256:
-            step_info["init_sha256"] = self.init_sha256
-        keys = ("node_id", "local_step", "sha256", "base_outer_step")
-        step_info["deltas"] = [{k: getattr(e, k) for k in keys} for e in applied]
-        files = {GLOBAL_WEIGHTS_PATH: blob, GLOBAL_STEP_PATH: json.dumps(step_info, indent=1).encode()}
-        if self.publish_state:
-            ledger = common | {"format_version": "1", "entries": ledger_rows}
-            files[GLOBAL_LEDGER_PATH] = json.dumps(ledger, separators=(",", ":")).encode()
-            meta = {k: str(v) for k, v in common.items()} | {"kind": "dumb_diloco_outer_momentum"}
-            files[GLOBAL_MOMENTUM_PATH] = encode(momentum, meta | {"delayed_count": str(delayed_count)})
+        hf_config = None if self._hf_config_written else self.hf_config
+        with self.lock:
+            files, common = global_files(
+                self.state, self.node_id, outer, applied, self.publish_state, hf_config
+            )
+        outer_step = common["outer_step"]
         if self.lease_seconds > 0:
-            files[LEASE_PATH] = self._lease_blob()
-        delete = self._garbage()
-        if self.hf_config is not None and not self._hf_config_written:
-            files[HF_CONFIG_PATH] = json.dumps(self.hf_config, indent=2).encode()
-            size = sum(t.numel() * t.element_size() for t in weights.values())
-            index = {
-                "metadata": {"total_size": size},
-                "weight_map": dict.fromkeys(weights, GLOBAL_WEIGHTS_PATH),
-            }
-            files[HF_INDEX_PATH] = json.dumps(index, indent=1).encode()
+            files[LEASE_PATH] = self.lease_blob()
+        delete = garbage(self._processed_paths, self.keep_deltas)
         message = f"{self.node_id}: global outer step {outer_step}"
         try:
             try:
@@ -305,8 +282,8 @@ class OuterLoop:
             log.error(f"master: publishing outer step {outer_step} failed ({err}); retrying at the next poll")
             return False
         self._unpublished = False
-        if LEASE_PATH in files:
-            self._last_lease_write = time.monotonic()
+        self.published_step, self.published_sha256 = outer_step, common["global_sha256"]
+        self._wrote(files)
         for path in delete:
             self._processed_paths.pop(path, None)
         if delete:
@@ -317,47 +294,59 @@ class OuterLoop:
         self.bytes_uploaded += sum(len(b) for b in files.values())
         return True
 
-    def _garbage(self) -> list[str]:
-        """Processed deltas (in the ledger) beyond the `keep_deltas` most recent of each node."""
-        if self.keep_deltas <= 0:
-            return []
-        by_node: dict[str, list[tuple[int, str]]] = {}
-        for path, (node, step) in self._processed_paths.items():
-            by_node.setdefault(node, []).append((step, path))
-        return sorted(
-            p for items in by_node.values() for _, p in sorted(items, reverse=True)[self.keep_deltas :]
-        )
+    # ---- the single-master lease (past the spec; recovery.py reads it) and the small writes between rounds
 
-    # ---- the single-master lease (past the spec; recovery.py reads it)
+    def lease_blob(self, released: bool = False) -> bytes:
+        now, step = self.wall_clock(), self.state.outer_step
+        return lease_blob(self.node_id, self.instance, now, self.lease_seconds, step, released)
 
-    def _lease_blob(self) -> bytes:
-        lease = {"master": self.node_id, "heartbeat": self.wall_clock(), "lease_seconds": self.lease_seconds}
-        return json.dumps(lease | {"heartbeat_utc": utc_now(), "outer_step": self.state.outer_step}).encode()
-
-    def _check_fence(self) -> bool:
-        """True (and `fenced` set) if another master holds a fresh lease. Raises TransportError."""
-        other = lease_holder(self.transport, self.node_id, self.lease_seconds, self.wall_clock())
-        if other is not None and not self.fenced:
-            self.fenced = (
-                f"master {other[0]!r} holds the lease of this repository (heartbeat {other[1]:.0f}s ago); "
-                "this master stops aggregating"
-            )
-            log.error("master %s: %s", self.node_id, self.fenced)
+    def _fenced_before_write(self) -> bool:
+        """Fencing: before every write, the lease must still name this process (its instance token), else
+        another master took over (even one with this node id) and this one stops publishing for good. A
+        transport error while reading it: not fenced (the write itself will fail or go through)."""
+        if self.lease_seconds <= 0 or self.fenced:
+            return bool(self.fenced)
+        with contextlib.suppress(TransportError):
+            lease = read_lease(self.transport)
+            if lease is not None and lease.get("instance") != self.instance:
+                age = self.wall_clock() - float(lease.get("heartbeat") or 0)
+                self.fenced = (
+                    f"master {lease.get('master')!r} (another process) holds the lease of this repository "
+                    f"(heartbeat {age:.0f}s ago); this master stops publishing"
+                )
+                log.error("master %s: %s", self.node_id, self.fenced)
         return bool(self.fenced)
 
-    def heartbeat(self) -> None:
-        """Renew the lease (a small write of its own) when no publication renewed it for lease_seconds/3;
-        stop publishing (fenced) if another master holds a fresh lease."""
-        fresh = time.monotonic() - self._last_lease_write < self.lease_seconds / 3
-        if self.lease_seconds <= 0 or self.fenced or fresh:
+    def heartbeat(self, final: bool = False) -> None:
+        """One small write between publications: the lease when no publication renewed it for
+        lease_seconds/3, and the ledger when rejections since the last publication are waiting (at most
+        once a minute). `final`: both, always, with the ledger marked final and the lease released.
+        Nothing once fenced."""
+        now, files = time.monotonic(), {}
+        if self.lease_seconds > 0 and (final or now - self._last_lease_write >= self.lease_seconds / 3):
+            files[LEASE_PATH] = self.lease_blob(released=final)
+        current = not self._unpublished and self.published_step == self.state.outer_step
+        due = final or (self._ledger_dirty and now - self._last_ledger_write >= LEDGER_EVERY_S)
+        if self.publish_state and current and self.published_sha256 and due:
+            with self.lock:
+                rows = self.state.ledger.to_json()
+            common = {"outer_step": self.published_step, "created_at": utc_now(), "master": self.node_id}
+            common["global_sha256"] = self.published_sha256
+            files[GLOBAL_LEDGER_PATH] = ledger_blob(common | {"final": final}, rows)
+        if not files or self._fenced_before_write():
             return
+        what = "the final ledger and lease" if final else " and ".join(p.split("/")[-1] for p in files)
         try:
-            if self._check_fence():
-                return
-            self.transport.write({LEASE_PATH: self._lease_blob()}, message=f"{self.node_id}: lease heartbeat")
-            self._last_lease_write = time.monotonic()
+            self.transport.write(files, message=f"{self.node_id}: {what}")
+            self._wrote(files)
         except TransportError as err:
-            log.warning("master: lease heartbeat failed (%s); will retry", err)
+            log.warning("master: writing %s failed (%s); will retry", what, err)
+
+    def _wrote(self, files: dict[str, bytes]) -> None:
+        if LEASE_PATH in files:
+            self._last_lease_write = time.monotonic()
+        if GLOBAL_LEDGER_PATH in files:
+            self._ledger_dirty, self._last_ledger_write = False, time.monotonic()
 
     def save_state(self) -> None:
         if self.state_dir is None:
@@ -387,20 +376,29 @@ class OuterLoop:
     def _run(self) -> None:
         while not self._stop.wait(self.poll_interval):
             self._round()
-        self._last_round()  # stop() was called: one last round for the deltas that arrived meanwhile
-        while time.monotonic() - self._last_new_delta < self._drain_seconds:  # draining late deltas
-            time.sleep(self.poll_interval)
-            self._round()
+        # stop() was called: rounds until every node's final delta is processed, or drain_timeout passed
+        self._draining, deadline = True, time.monotonic() + self._drain_timeout
+        announced = 0.0
+        while not self._round() or self.unfinished:
+            if self.fenced or (remaining := deadline - time.monotonic()) <= 0:
+                break
+            if time.monotonic() - announced > 30:
+                announced = time.monotonic()
+                log.info(
+                    f"master: waiting up to {remaining:.0f}s for the final deltas of: {self.describe_left()}"
+                )
+            time.sleep(min(self.poll_interval, remaining))
         if self._pending:  # below the quorum at the end: apply them rather than lose them
-            self._last_round(flush=True)
+            self._round(flush=True)
+        if self.unfinished:
+            log.warning(
+                f"master: stopped after drain_timeout {self._drain_timeout:g}s without the final deltas of: "
+                f"{self.describe_left()}"
+            )
+        self.heartbeat(final=True)
 
-    def _last_round(self, flush: bool = False, attempts: int = 20) -> None:
-        """At shutdown, a round that a transport error cut short is tried again (up to `attempts` polls;
-        `stop`'s timeout bounds it too), so the last deltas are not lost to a transient failure."""
-        for _ in range(attempts):
-            if self._round(flush) or self.fenced:
-                return
-            time.sleep(self.poll_interval)
+    def describe_left(self) -> str:
+        return "; ".join(f"{node} ({why})" for node, why in self.unfinished.items())
 
     def _round(self, flush: bool = False) -> bool:
         """One guarded poll; True if it went through with no transport error left to retry."""
@@ -417,14 +415,19 @@ class OuterLoop:
             return False
         return not self.intake.transient and not self._unpublished
 
-    def stop(self, drain_seconds: float = 0.0, timeout: float | None = None) -> bool:
-        """Run a last round (and more while deltas keep arriving within `drain_seconds`), then stop.
-        Returns False if the thread was still busy after `timeout` seconds (it is a daemon)."""
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self, drain_timeout: float = 0.0, timeout: float | None = None) -> bool:
+        """Run rounds until every node's final delta is processed (at most `drain_timeout` s; 0: one last
+        round), then the final ledger and lease write, and stop. `unfinished` then says what was left.
+        Returns False if the thread was still busy after drain_timeout + `timeout` s (it is a daemon)."""
         if self._thread is None:
             return True
-        self._drain_seconds, self._last_new_delta = drain_seconds, time.monotonic()
+        self._drain_timeout = drain_timeout
         self._stop.set()
-        self._thread.join(None if timeout is None else timeout + drain_seconds)
+        self._thread.join(None if timeout is None else timeout + drain_timeout)
         return not self._thread.is_alive()
 
 

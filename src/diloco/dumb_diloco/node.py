@@ -32,7 +32,7 @@ from .master import OuterLoop
 from .recovery import GlobalSnapshot, MasterState, delta_layout, state_layout
 from .settings import DumbDiLoCoError, Settings
 from .startup import GlobalReader
-from .tensor_format import DeltaMeta, InvalidTensorFile, delta_path, encode, pseudo_gradient
+from .tensor_format import DeltaMeta, InvalidTensorFile, delta_path, encode, parse_header, pseudo_gradient
 from .transport import HubTransport, Transport, check_commit_budget
 
 log = logging.getLogger("diloco.dumb_diloco")
@@ -149,12 +149,15 @@ class Node:
         self._polling: Future | None = None
         self.outer: OuterLoop | None = None
         self.ckpt_master: MasterState | None = None
+        self.state_lock = None  # the master's open <state_dir>/<node_id>/master.lock (flock: one process)
         self._resume: dict | None = None  # a trainer checkpoint taken mid-inner-loop (past the spec)
         self._first_boundary_time: float | None = None
         self._budget_checked = False
         for k in _COUNTERS:
             setattr(self, k, 0.0 if k.endswith("seconds") else 0)
         self.installed_outer_step, self.num_peers, self.last_delta_bytes = -1, 0, 0
+        self.last_uploaded: tuple[int, str] | None = None  # (local step, payload SHA-256) of the last delta
+        self.final_status = ""  # after finish: what became of this node's final delta
         self.last_upload_seconds = self.max_boundary_stall = 0.0
 
     # ---------------------------------------------------------------- the seven steps
@@ -235,8 +238,8 @@ class Node:
     def _dispatch(self, job: DeltaJob) -> None:
         self._upload = (job, self._lanes["upload"].submit(self._send, job))
 
-    def _send(self, job: DeltaJob) -> int:
-        """Step 4, on the upload lane: subtract, encode, write."""
+    def _send(self, job: DeltaJob) -> tuple[int, str]:
+        """Step 4, on the upload lane: subtract, encode, write. Returns the bytes and the payload SHA-256."""
         t0 = time.perf_counter()
         try:
             delta, free = job.materialize()
@@ -247,14 +250,15 @@ class Node:
                 {job.path: blob}, message=f"{self.s.node_id}: delta at local step {job.local_step}"
             )
             job.delta = None  # uploaded: freed here, not on the training thread (860 MB at 150M: ~30 ms)
-            return len(blob)
+            return len(blob), parse_header(blob).metadata["payload_sha256"]
         finally:
             job.seconds = time.perf_counter() - t0
 
     def _upload_done(self, job: DeltaJob, future: Future) -> None:
         self.last_upload_seconds = job.seconds
         if (err := future.exception()) is None:
-            n = future.result()
+            n, sha = future.result()
+            self.last_uploaded = (job.local_step, sha)
             self.uploads, self.bytes_uploaded, self.last_delta_bytes = (
                 self.uploads + 1,
                 self.bytes_uploaded + n,

@@ -95,7 +95,9 @@ class LedgerEntry:
     node_id: str
     local_step: int
     sha256: str
-    status: str  # "applied" | "rejected" | "preexisting" (in the repo before this master had state)
+    # "applied" | "rejected" | "duplicate" (the payload of an applied delta, again) | "preexisting" (in the
+    # repository before this master had any state)
+    status: str
     outer_step: int  # the round that applied it (applied) or that was current when it was seen
     base_outer_step: int = -1  # the global version the node's baseline came from (-1: unknown)
     reason: str = ""
@@ -112,6 +114,7 @@ class Ledger:
 
     def __init__(self, entries: Iterable[LedgerEntry] = ()):
         self._entries: dict[tuple[str, int, str], LedgerEntry] = {}
+        self._applied: dict[str, LedgerEntry] = {}  # payload SHA-256 -> the entry that applied it
         for e in entries:
             self.add(e)
 
@@ -123,6 +126,15 @@ class Ledger:
 
     def add(self, entry: LedgerEntry) -> None:
         self._entries.setdefault(entry.identity, entry)
+        if entry.status in ("applied", "preexisting"):
+            self._applied.setdefault(entry.sha256, entry)
+
+    def get(self, identity: tuple[str, int, str]) -> LedgerEntry | None:
+        return self._entries.get(identity)
+
+    def applied_payload(self, sha256: str) -> LedgerEntry | None:
+        """The entry that applied (or found) a payload with this SHA-256, if any."""
+        return self._applied.get(sha256)
 
     def entries(self) -> list[LedgerEntry]:
         return list(self._entries.values())
@@ -364,10 +376,10 @@ def load_published_state(
 # --------------------------------------------------------------------------- the single-master lease
 
 
-def read_lease(transport: Transport) -> dict | None:
-    """The lease file (master id, heartbeat time), None if there is none or it is unreadable."""
+def read_lease(transport: Transport, revision: str | None = None) -> dict | None:
+    """The lease file (master id, instance, heartbeat time), None if there is none or it is unreadable."""
     try:
-        lease = json.loads(transport.read(LEASE_PATH, max_bytes=2**16))
+        lease = json.loads(transport.read(LEASE_PATH, revision, max_bytes=2**16))
     except RemoteNotFound:
         return None
     except (ValueError, UnicodeDecodeError):
@@ -377,11 +389,12 @@ def read_lease(transport: Transport) -> dict | None:
 
 
 def lease_holder(
-    transport: Transport, node_id: str, lease_seconds: float, now: float
+    lease: dict | None, instance: str, lease_seconds: float, now: float
 ) -> tuple[str, float] | None:
-    """(other master, heartbeat age in s) if another master holds a fresh lease, else None."""
-    lease = read_lease(transport)
-    if lease is None or lease.get("master") == node_id:
+    """(holder, heartbeat age in s) if another master process holds a fresh lease, else None. A process is
+    its `instance` token (fencing): a second process with the same node id is another holder. A lease
+    counts as fresh for the longer of the holder's lease_seconds and the reader's; a released one never."""
+    if lease is None or lease.get("instance") == instance or lease.get("released"):
         return None
     try:
         age = now - float(lease.get("heartbeat", 0))

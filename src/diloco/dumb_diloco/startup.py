@@ -10,19 +10,38 @@ joins a master built from other initial weights. Prose: docs/dumb_diloco.md ("No
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from .master import OuterLoop
-from .recovery import GlobalSnapshot, MasterState, lease_holder, load_published_state, read_lease, recover
+from .publication import lease_blob
+from .recovery import (
+    LEASE_PATH,
+    GlobalSnapshot,
+    MasterState,
+    lease_holder,
+    load_published_state,
+    read_lease,
+    recover,
+)
 from .settings import DumbDiLoCoError
 from .tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, InvalidTensorFile, decode, parse_header
-from .transport import RemoteNotFound, TransientError, Transport, TransportError, open_transport
+from .transport import (
+    RemoteNotFound,
+    RevisionConflict,
+    TransientError,
+    Transport,
+    TransportError,
+    open_transport,
+    write_atomic,
+)
 
 if TYPE_CHECKING:
     from .strategy import DumbDiLoCo
@@ -174,25 +193,7 @@ def check_same_start(node: DumbDiLoCo) -> None:
 def start_master(node: DumbDiLoCo) -> None:
     """Recover the state (recovery.recover), publish it if the repository is behind, start the loop."""
     s = node.s
-    if s.lease_seconds > 0:  # single-master lease (past the spec)
-        try:
-            other = lease_holder(node.transport, s.node_id, s.lease_seconds, time.time())
-            lease = read_lease(node.transport)
-        except TransportError as err:
-            raise node.s.error(f"cannot read {s.repo_id}: {err}") from None
-        if other is not None:
-            raise node.s.error(
-                f"{s.repo_id} is held by master {other[0]!r} (lease heartbeat {other[1]:.0f}s ago, "
-                f"lease_seconds {s.lease_seconds:g}); run one master per repository, or start this one "
-                "after that master stopped and its lease expired"
-            )
-        if lease is not None and lease.get("master") != s.node_id:
-            log.warning(
-                "master %s: taking over %s from master %r (its lease expired)",
-                s.node_id,
-                s.repo_id,
-                lease.get("master"),
-            )
+    instance = take_lease(node)
     try:
         local = MasterState.load(node.state_dir)
     except (OSError, ValueError, InvalidTensorFile) as err:
@@ -247,9 +248,12 @@ def start_master(node: DumbDiLoCo) -> None:
         keep_deltas=s.keep_deltas,
         lease_seconds=s.lease_seconds,
         init_sha256=node.init_sha256,
+        instance=instance,
+        published_step=-1 if repo is None else repo.outer_step,
+        published_sha256="" if repo is None else node.reader.step_info.get("global_sha256", ""),
     )
     if adopted:
-        n = node.outer.mark_existing_as_processed()
+        n = mark_existing_as_processed(node.outer)
         log.warning(
             "master: no local master state; adopted global outer step %d from %s and treat its %d "
             "existing delta(s) as already processed",
@@ -260,8 +264,82 @@ def start_master(node: DumbDiLoCo) -> None:
     if publish:
         node.outer.publish()
         log.info("master: published global outer step %d to %s", state.outer_step, s.repo_id)
-    else:
-        node.outer.heartbeat()  # take the lease now (a publication carries it otherwise)
     node.outer.save_state()
     node.stage(node.outer.snapshot())
     node.outer.start()
+
+
+def mark_existing_as_processed(outer: OuterLoop) -> int:
+    """Put every delta now in the repository into the ledger as "preexisting" (a master adopting a
+    repository without its own state cannot know which were applied; re-applying them would be worse)."""
+    revision = outer.transport.revision()
+    n = 0
+    for f in outer.intake.list(revision):
+        c = outer.intake.candidate(f, revision)
+        if c is not None and c.identity not in outer.state.ledger:
+            outer.state.ledger.add(c.entry("preexisting", outer.state.outer_step))
+            n += 1
+    return n
+
+
+def take_lease(node: DumbDiLoCo) -> str:
+    """This master process's instance token, once it holds the repository (past the spec): an exclusive
+    flock on <state_dir>/<node_id>/master.lock (one process per master state on a machine), then the lease
+    global/master_lease.json, written only on top of the revision at which it was found free (a
+    compare-and-swap: of two masters starting together, one wins). A fresh lease of another process is
+    refused in one line, also with this node id, unless it is of the process that last held this
+    state_dir (a restart after a crash: the flock proves it is gone)."""
+    node.state_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(node.state_dir / "master.lock", "a+")  # noqa: SIM115 - held until close()
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise node.s.error(
+            f"another process runs this master with state_dir {node.state_dir} (it holds master.lock); "
+            "run one master per node id"
+        ) from None
+    except OSError as err:
+        log.warning("master: cannot lock %s (%s); relying on the lease alone", node.state_dir, err)
+    try:
+        instance = _lease(node)
+    except BaseException:
+        lock.close()
+        raise
+    node.state_lock = lock
+    return instance
+
+
+def _lease(node: DumbDiLoCo) -> str:
+    s, instance = node.s, uuid.uuid4().hex
+    previous = node.state_dir / "instance"
+    before = previous.read_text().strip() if previous.exists() else ""
+    if s.lease_seconds <= 0:
+        return instance
+    for _ in range(20):
+        try:
+            revision = node.transport.revision()
+            lease = read_lease(node.transport, revision)
+            ours = lease is not None and bool(before) and lease.get("instance") == before
+            other = None if ours else lease_holder(lease, instance, s.lease_seconds, time.time())
+            if other is not None:
+                same = " (another process with this node id)" if other[0] == s.node_id else ""
+                raise node.s.error(
+                    f"{s.repo_id} is held by master {other[0]!r}{same} (lease heartbeat {other[1]:.0f}s ago, "
+                    f"lease_seconds {s.lease_seconds:g}); run one master per repository, or start this one "
+                    "after that master stopped (a clean stop releases the lease) or its lease expired"
+                )
+            if lease is not None and not ours:
+                why = "it released the lease" if lease.get("released") else "its lease expired"
+                log.warning(
+                    f"master {s.node_id}: taking over {s.repo_id} from master {lease.get('master')!r} ({why})"
+                )
+            blob = lease_blob(s.node_id, instance, time.time(), s.lease_seconds, -1, False)
+            node.transport.write({LEASE_PATH: blob}, message=f"{s.node_id}: lease", parent_revision=revision)
+            write_atomic(previous, instance.encode())
+            return instance
+        except RevisionConflict:
+            continue  # the repository moved on (a delta, another master): look again
+        except TransportError as err:
+            raise node.s.error(f"cannot take the lease of {s.repo_id}: {err}") from None
+    raise node.s.error(f"cannot take the lease of {s.repo_id}: the repository kept changing under it")

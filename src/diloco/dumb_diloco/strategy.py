@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from contextlib import nullcontext
 
 import torch
 
 from diloco.config import ConfigError
 
+from .ending import await_final_status, remove_stale_marker, send_final, wait_upload
 from .node import _COUNTERS, DeltaJob, Node, _Inline
 from .recovery import MasterState
 from .settings import Settings
@@ -83,11 +83,20 @@ class DumbDiLoCo(Node):
         return nullcontext()
 
     def finish(self) -> bool:
-        """End of training: the last upload (within shutdown_timeout) and, on the master, the outer loop's
-        last round (the workers' last deltas, within drain_seconds), whose global is installed for the
+        """End of training (ending.py): the last delta and the final marker (within shutdown_timeout); on a
+        worker, what the master did with that delta (within the same deadline); on the master, rounds until
+        every node's final delta is processed (within drain_timeout), whose global is installed for the
         final evaluation. True when the model changed."""
+        deadline = self.clock() + self.s.shutdown_timeout
+        send_final(self, deadline)
+        self._stop_outer(self.s.drain_timeout)
         self.close()
-        if self.outer is None or (final := self.outer.snapshot()).outer_step <= self.installed_outer_step:
+        if self.outer is None:
+            self.final_status = await_final_status(self, deadline)
+            log.info(f"node {self.s.node_id}: final delta {self.final_status}")
+            return False
+        self.final_status = self._own_final_status()
+        if (final := self.outer.snapshot()).outer_step <= self.installed_outer_step:
             return False
         with torch.no_grad():
             for k, t in self.model.state_dict().items():
@@ -96,6 +105,21 @@ class DumbDiLoCo(Node):
             f"master: installed the final global (outer step {final.outer_step}) for the final evaluation"
         )
         return True
+
+    def _own_final_status(self) -> str:
+        if self.last_uploaded is None:
+            return "none: this node uploaded no delta"
+        with self.outer.lock:
+            e = self.outer.state.ledger.get((self.s.node_id, *self.last_uploaded))
+        return f"{e.status} at outer step {e.outer_step}" if e is not None else "not applied"
+
+    def _stop_outer(self, drain_timeout: float) -> None:
+        """The master's loop: rounds until every node's final delta is processed (at most `drain_timeout`;
+        0: one last round, as `close` after a failure does), then stop. Idempotent."""
+        if self.outer is not None and not self.outer.stopped:
+            if not self.outer.stop(drain_timeout, self.s.shutdown_timeout):
+                log.warning("master: the outer loop was still running after the shutdown timeout; leaving it")
+            self.outer.save_state()
 
     def connect(self) -> None:
         connect(self)  # startup.py: open the repository; a worker waits for the first global
@@ -109,6 +133,7 @@ class DumbDiLoCo(Node):
         if self.started:
             return
         self.connect()
+        remove_stale_marker(self)
         if s.is_master:
             start_master(self)
         elif (newer := self._safe_fetch()) is not None:
@@ -130,15 +155,20 @@ class DumbDiLoCo(Node):
 
     def summary(self) -> dict:
         """Final figures (pure: what was counted so far; `close` first to count the in-flight work)."""
-        return self.metrics() | {
-            "comm/boundary_stall_seconds": self.boundary_stall_seconds,
-            "comm/boundary_stall_seconds_mean": self.boundary_stall_seconds / max(self.boundaries, 1),
-            "comm/boundary_stall_seconds_max": self.max_boundary_stall,
-            "comm/boundaries": self.boundaries,
-            "outer/rejected_globals": self.rejected_globals,
-            "dumb_diloco/role": self.s.role,
-            "dumb_diloco/node_id": self.s.node_id,
-        }
+        return (
+            self.metrics()
+            | {
+                "comm/boundary_stall_seconds": self.boundary_stall_seconds,
+                "comm/boundary_stall_seconds_mean": self.boundary_stall_seconds / max(self.boundaries, 1),
+                "comm/boundary_stall_seconds_max": self.max_boundary_stall,
+                "comm/boundaries": self.boundaries,
+                "outer/rejected_globals": self.rejected_globals,
+                "dumb_diloco/role": self.s.role,
+                "dumb_diloco/node_id": self.s.node_id,
+                "dumb_diloco/final_delta": self.final_status,
+            }
+            | ({"dumb_diloco/final_left": self.outer.describe_left()} if self.outer is not None else {})
+        )
 
     def state_dict(self) -> dict:
         """Counters, the installed outer step and (master) the full outer state; past the spec, the
@@ -150,6 +180,7 @@ class DumbDiLoCo(Node):
             "local_step": self.local_step,
             "steps_since_capture": self._steps_since_capture,
             "baseline": {k: t.clone() for k, t in self._baseline.items()},
+            "last_uploaded": list(self.last_uploaded or ()),
         }
         if (c := self._carry) is not None:
             delta = {k: t.clone() for k, t in c.delta.items()}
@@ -164,6 +195,8 @@ class DumbDiLoCo(Node):
         for k in _COUNTERS:
             if k in state:
                 setattr(self, k, type(getattr(self, k))(state[k]))
+        if last := state.get("last_uploaded"):
+            self.last_uploaded = (int(last[0]), str(last[1]))
         if "master" in state and self.s.is_master:
             self.ckpt_master = MasterState.from_checkpoint(state["master"])
         if state.get("baseline") and (state.get("steps_since_capture") or state.get("carry")):
@@ -196,20 +229,12 @@ class DumbDiLoCo(Node):
         if self.closed:
             return
         self.closed = True
-        if self._upload is not None:
-            job, future = self._upload
-            if wait_futures([future], self.s.shutdown_timeout).not_done:
-                log.warning(
-                    f"node {self.s.node_id}: {job.path} ({job.steps} step(s)) was still uploading after "
-                    f"shutdown_timeout {self.s.shutdown_timeout:g}s; leaving it (it may not arrive)"
-                )
-            self._collect_lanes()
+        wait_upload(self, self.clock() + self.s.shutdown_timeout)
         for lane in self._lanes.values():
             lane.shutdown(wait=False, cancel_futures=True)
-        if self.outer is not None:
-            if not self.outer.stop(self.s.drain_seconds, self.s.shutdown_timeout):
-                log.warning("master: the outer loop was still running after the shutdown timeout; leaving it")
-            self.outer.save_state()
+        self._stop_outer(0.0)
+        if self.state_lock is not None:
+            self.state_lock.close()  # releases the flock on <state_dir>/<node_id>/master.lock
         if self._carry is not None:
             log.warning(
                 f"node {self.s.node_id}: {self._carry.steps} step(s) of progress were never uploaded "

@@ -1,0 +1,77 @@
+"""What a DumbDiLoCo master writes: the files of one publication (steps 7 and 8, one transport write:
+global/latest.safetensors and global/step_count.json; past the spec the ledger, the outer momentum and the
+model's transformers config beside them), the ledger on its own, and the single-master lease.
+
+Invariants: every file of a publication names the same outer step and global SHA-256; the lease names the
+process (its instance token), not only the node id. Formats: docs/dumb_diloco.md ("Repository layout").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+from .recovery import GLOBAL_LEDGER_PATH, GLOBAL_MOMENTUM_PATH, LedgerEntry, MasterState, utc_now
+from .tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, encode, parse_header
+
+HF_CONFIG_PATH = "config.json"
+HF_INDEX_PATH = "model.safetensors.index.json"
+
+
+def global_files(
+    state: MasterState,
+    master: str,
+    outer: dict,
+    applied: Iterable[LedgerEntry],
+    publish_state: bool,
+    hf_config: dict | None,
+) -> tuple[dict[str, bytes], dict]:
+    """The files of one publication of `state` (call it under the lock that guards the state), and their
+    common fields (outer_step, created_at, master, global_sha256). `outer`: outer_lr, outer_momentum and
+    init_sha256 for step_count.json; `hf_config`: also write config.json and the weight index."""
+    weights = state.published()
+    common = {"outer_step": state.outer_step, "created_at": utc_now(), "master": master}
+    meta = {k: str(v) for k, v in common.items()}
+    blob = encode(weights, meta | {"kind": "dumb_diloco_global", "format": "pt"})
+    common["global_sha256"] = parse_header(blob).metadata["payload_sha256"]
+    keys = ("node_id", "local_step", "sha256", "base_outer_step")
+    step_info = common | {"format_version": "1"} | {k: v for k, v in outer.items() if v is not None}
+    step_info["deltas"] = [{k: getattr(e, k) for k in keys} for e in applied]
+    files = {GLOBAL_WEIGHTS_PATH: blob, GLOBAL_STEP_PATH: json.dumps(step_info, indent=1).encode()}
+    if publish_state:
+        files[GLOBAL_LEDGER_PATH] = ledger_blob(common, state.ledger.to_json())
+        momentum = {f"momentum/{k}": t for k, t in state.momentum.items()}
+        momentum |= {f"delayed/{k}": t for k, t in state.delayed.items()}
+        meta = {k: str(v) for k, v in common.items()} | {"kind": "dumb_diloco_outer_momentum"}
+        files[GLOBAL_MOMENTUM_PATH] = encode(momentum, meta | {"delayed_count": str(state.delayed_count)})
+    if hf_config is not None:
+        files[HF_CONFIG_PATH] = json.dumps(hf_config, indent=2).encode()
+        size = sum(t.numel() * t.element_size() for t in weights.values())
+        index = {"metadata": {"total_size": size}, "weight_map": dict.fromkeys(weights, GLOBAL_WEIGHTS_PATH)}
+        files[HF_INDEX_PATH] = json.dumps(index, indent=1).encode()
+    return files, common
+
+
+def ledger_blob(common: dict, rows: list[dict]) -> bytes:
+    """global/ledger.json: every processed delta, under the outer step and SHA-256 of the global beside it."""
+    return json.dumps(common | {"format_version": "1", "entries": rows}, separators=(",", ":")).encode()
+
+
+def lease_blob(
+    master: str, instance: str, heartbeat: float, lease_seconds: float, outer_step: int, released: bool
+):
+    """global/master_lease.json: who holds the repository (node id and process instance) and since when."""
+    lease = {"master": master, "instance": instance, "heartbeat": heartbeat, "lease_seconds": lease_seconds}
+    return json.dumps(
+        lease | {"heartbeat_utc": utc_now(), "outer_step": outer_step, "released": released}
+    ).encode()
+
+
+def garbage(processed: dict[str, tuple[str, int]], keep: int) -> list[str]:
+    """Processed deltas (path -> node, local step) beyond the `keep` most recent of each node (0: none)."""
+    if keep <= 0:
+        return []
+    by_node: dict[str, list[tuple[int, str]]] = {}
+    for path, (node, step) in processed.items():
+        by_node.setdefault(node, []).append((step, path))
+    return sorted(p for items in by_node.values() for _, p in sorted(items, reverse=True)[keep:])
