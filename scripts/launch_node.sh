@@ -98,7 +98,10 @@ if [[ $EXP_MODE == dumb_diloco ]]; then
   REPO_ID=${REPO_ID:-$EXP_REPO_ID}
   [[ -n $REPO_ID ]] || die "DumbDiLoCo needs --repo-id (org/name on the Hub, or a shared directory)"
   if [[ $REPO_ID =~ ^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+$ && $REPO_ID != ./* && $REPO_ID != /* ]]; then
-    [[ -n ${HF_TOKEN:-} || -f ${HF_TOKEN_PATH:-${HF_HOME:-$HOME/.cache/huggingface}/token} ]] \
+    token_override=""  # distributed.token=... after `--` (works, with the trainer's warning)
+    for a in "${EXTRA[@]}"; do [[ $a != distributed.token=?* ]] || token_override=1; done
+    token_file=${HF_TOKEN_PATH:-${HF_HOME:-$HOME/.cache/huggingface}/token}
+    [[ -n ${HF_TOKEN:-} || -n $token_override || -f $token_file ]] \
       || die "repo $REPO_ID is on the Hugging Face Hub: set HF_TOKEN (a write token of a dedicated account)"
   fi
   # the node's data shard and its label (launch-node<R>.log) are one number: given, or the node rank

@@ -44,6 +44,7 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -104,8 +105,9 @@ class _Server(ThreadingHTTPServer):
 class HubServer:
     """Start with `start()` (or use as a context manager); `url` is the endpoint."""
 
-    def __init__(self, *, token: str | None = None, page_size: int = 1000):
-        self.token = token  # if set, every request must carry "Authorization: Bearer <token>"
+    def __init__(self, *, token: str | Collection[str] | None = None, page_size: int = 1000):
+        # if set, every request must carry "Authorization: Bearer <token>" (with one of them, if several)
+        self.token = token
         self.page_size = page_size
         self.repos: dict[str, Repo] = {}
         self.counts: collections.Counter[str] = collections.Counter()
@@ -327,7 +329,9 @@ class _Handler(BaseHTTPRequestHandler):
             headers = {"Retry-After": fault.retry_after} if fault.retry_after is not None else {}
             return self._json(fault.status or 503, {"error": f"injected HTTP {fault.status}"}, headers)
         try:
-            if hub.token is not None and self.headers.get("Authorization") != f"Bearer {hub.token}":
+            tokens = [hub.token] if isinstance(hub.token, str) else hub.token
+            allowed = None if tokens is None else [f"Bearer {t}" for t in tokens]
+            if allowed is not None and self.headers.get("Authorization") not in allowed:
                 raise _HttpError(401, "Invalid credentials in Authorization header")
             status, obj, headers, raw = self._route(method, path, query, body, kind)
         except _HttpError as err:

@@ -37,6 +37,13 @@ SPEC_DEFAULTS = {  # the spec's "Minimal master config", key for key (role aside
 }
 
 
+def test_an_interpolation_in_the_block_resolves_within_the_whole_config():
+    """tiny/dumb_diloco's `state_dir: ${out_dir}/...` (the distributed block alone has no out_dir)."""
+    cfg = compose_cfg(["experiment=tiny/dumb_diloco", "out_dir=/x/runs", "distributed.role=master"])
+    cfg.distributed.node_id, cfg.distributed.repo_id = "m", "/x/repo"
+    assert Settings.from_config(cfg.distributed).state_dir == "/x/runs/tiny-dumb-diloco-state"
+
+
 def test_config_has_the_spec_keys_and_defaults():
     cfg = compose_cfg(["distributed=dumb_diloco"])
     d = OmegaConf.to_container(cfg.distributed, resolve=False)

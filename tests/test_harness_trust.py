@@ -304,6 +304,14 @@ def test_a_token_override_is_shown_redacted_by_the_launcher():
     assert "distributed.token=<redacted>" in out.stdout
 
 
+def test_a_token_override_counts_as_the_hub_credential(tmp_path):
+    """A Hub repository needs a token: HF_TOKEN, the token file, or (the trainer warns) an override."""
+    hub = ["--role", "master", *DUMB[:4], "--repo-id", "org/run", "--dry-run"]
+    env = {"HF_HOME": str(tmp_path)}  # no token file
+    assert "set HF_TOKEN" in one_line(launch(*hub, env=env).stderr)
+    assert launch(*hub, "--", "distributed.token=hf_plantedSECRET123", env=env).returncode == 0
+
+
 def test_a_run_on_more_nodes_is_a_documented_flag():
     out = launch(
         "--experiment", "150m/ddp_1x", "--nodes", "2", "--node-rank", "1", "--rdzv", "h:1", "--dry-run"

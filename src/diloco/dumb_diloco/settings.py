@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf
+
 from diloco.config import ConfigError, check_dumb_diloco, typed
 from diloco.schema import DumbDiLoCoConfig
 
@@ -47,6 +49,8 @@ class Settings(DumbDiLoCoConfig):
         """Validate a config block (DictConfig or dict); raise ConfigError naming the key."""
         if (mode := dcfg.get("mode", "dumb_diloco")) != "dumb_diloco":
             raise ConfigError(f"distributed.mode must be dumb_diloco here, got {mode!r}")
+        if isinstance(dcfg, DictConfig):  # resolved within the whole config (state_dir: ${out_dir}/...)
+            dcfg = OmegaConf.to_container(dcfg, resolve=True)
         if isinstance(dcfg.get("collaborators"), str):  # before OmegaConf turns the string away
             raise ConfigError(_COLLABORATORS + f"got {dcfg.get('collaborators')!r}")
         block = typed(dcfg, DumbDiLoCoConfig, "distributed.")
