@@ -50,7 +50,7 @@ OVERRIDES = [
     "distributed.inner_steps=5",
     "distributed.poll_interval=0.2",
     "distributed.min_deltas_per_round=1",
-    "distributed.drain_seconds=2",
+    "distributed.drain_timeout=60",
     "distributed.startup_timeout=240",
     "distributed.shutdown_timeout=120",
 ]
