@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("no_network")
 
 def marker(repo, node: str, step: int, sha: str) -> None:
     """A node's final marker, as ending.send_final writes it."""
-    body = {"node_id": node, "last_local_step": step, "last_delta_sha256": sha}
+    body = {"node_id": node, "state": "finished", "last_local_step": step, "last_delta_sha256": sha}
     repo.write({final_marker_path(node): json.dumps(body).encode()})
 
 
@@ -74,7 +74,7 @@ def test_a_node_without_a_final_marker_is_named_once_drain_timeout_passed(tmp_pa
     coord.finish()
     assert ("slow", 3) in {(e.node_id, e.local_step) for e in coord.outer.state.ledger.entries()}
     left = coord.summary()["dumb_diloco/final_left"]
-    assert left.startswith("slow (no final marker yet") and "stopped after drain_timeout 0.3s" in caplog.text
+    assert left.startswith("slow (not finished yet") and "stopped after drain_timeout 0.3s" in caplog.text
 
 
 def test_a_worker_uploads_its_tail_and_says_whether_the_master_applied_it(tmp_path):
@@ -217,6 +217,9 @@ def test_every_file_under_nodes_is_on_the_published_ledger_and_a_copy_is_a_dupli
     assert torch.equal(loop.state.weights["w"], weights) and loop.state.outer_step == 1
     loop.heartbeat(final=True)  # the master's last write
     published = json.loads(repo.read(GLOBAL_LEDGER_PATH))
-    assert published["outer_step"] == 1 and published["final"] and ["c", 3, "duplicate"] in [
-        [r["node_id"], r["local_step"], r["status"]] for r in published["entries"]
-    ]
+    assert (
+        published["outer_step"] == 1
+        and published["final"]
+        and ["c", 3, "duplicate"]
+        in [[r["node_id"], r["local_step"], r["status"]] for r in published["entries"]]
+    )

@@ -314,7 +314,7 @@ def replay(repo, node_state) -> None:
     ledger = json.loads(repo.read(GLOBAL_LEDGER_PATH))
     entries = ledger["entries"]
     applied = [(e["node_id"], e["local_step"]) for e in entries if e["status"] == "applied"]
-    in_repo = {parse_delta_path(f.path) for f in repo.list("nodes")}
+    in_repo = {parse_delta_path(f.path) for f in repo.list("nodes") if f.path.endswith(".safetensors")}
     assert len(applied) == len(set(applied)), "a delta was applied twice (or a path was reused)"
     assert set(applied) == in_repo, f"lost: {in_repo - set(applied)}, unknown: {set(applied) - in_repo}"
     assert all(e["staleness"] >= 0 for e in entries if e["status"] == "applied")

@@ -1,11 +1,12 @@
-"""The end of a node's run (past the spec, which loses the last deltas): the node uploads the progress made
-since its last boundary, then writes its final marker nodes/<node_id>/final.json naming its last delta; the
-master (master.py) keeps aggregating until every node's marker names a processed delta, or drain_timeout
-passes; a worker reads the published ledger until it says what became of its final delta.
+"""The end of a node's run (past the spec, which loses the last deltas). A node announces itself when it
+starts (nodes/<node_id>/final.json saying "running"); at its end it uploads the progress made since its
+last boundary, then rewrites the marker as "finished", naming its last delta. The master (master.py) keeps
+aggregating until every announced node's marker names a processed delta, or drain_timeout passes; a
+worker reads the published ledger until it says what became of its final delta.
 
-Invariants: the marker is written only after the last upload succeeded or failed for good, so it never
-names a delta that may still arrive; a restarted node removes its old marker before training. Prose:
-docs/dumb_diloco.md ("Guarantees").
+Invariants: "finished" is written only after the last upload succeeded or failed for good, so it never
+names a delta that may still arrive; a (re)started node replaces its old marker before it trains.
+Prose: docs/dumb_diloco.md ("Guarantees").
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 from .intake import final_marker_path
 from .recovery import GLOBAL_LEDGER_PATH, LEASE_PATH, LEDGER_FILE_MAX_BYTES, utc_now
 from .startup import STEP_FILE_MAX_BYTES
-from .tensor_format import GLOBAL_STEP_PATH, NODES_DIR
+from .tensor_format import GLOBAL_STEP_PATH
 from .transport import RemoteNotFound, TransportError
 
 if TYPE_CHECKING:
@@ -27,15 +28,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("diloco.dumb_diloco")
 
 
-def remove_stale_marker(node: Node) -> None:
-    """A node (re)starting: its marker from an earlier run would tell the master it is done."""
-    path = final_marker_path(node.s.node_id)
+def announce(node: Node) -> None:
+    """A node (re)starting: "running" in its marker, so that the master waits for it at the end (even
+    before its first delta) and an earlier run's "finished" no longer counts."""
+    marker = {"node_id": node.s.node_id, "state": "running", "created_at": utc_now()}
     try:
-        if any(f.path == path for f in node.transport.list(f"{NODES_DIR}/{node.s.node_id}")):
-            node.transport.delete([path])
-            log.info(f"node {node.s.node_id}: removed its final marker of an earlier run ({path})")
+        node.transport.write(
+            {final_marker_path(node.s.node_id): json.dumps(marker, indent=1).encode()},
+            message=f"{node.s.node_id}: running",
+        )
     except TransportError as err:
-        log.warning(f"node {node.s.node_id}: cannot remove its old final marker {path} ({err})")
+        log.warning(
+            f"node {node.s.node_id}: cannot announce itself in {final_marker_path(node.s.node_id)} ({err})"
+        )
 
 
 def send_final(node: Node, deadline: float) -> None:
@@ -50,7 +55,12 @@ def send_final(node: Node, deadline: float) -> None:
         if not wait_upload(node, deadline):
             return
     step, sha = node.last_uploaded or (-1, "")
-    marker = {"node_id": node.s.node_id, "last_local_step": step, "last_delta_sha256": sha}
+    marker = {
+        "node_id": node.s.node_id,
+        "state": "finished",
+        "last_local_step": step,
+        "last_delta_sha256": sha,
+    }
     marker |= {"local_step": node.local_step, "uploads": node.uploads, "created_at": utc_now()}
     if node._carry is not None:
         marker["steps_never_uploaded"] = node._carry.steps

@@ -31,11 +31,13 @@ def final_marker_path(node_id: str) -> str:
 
 def parse_final_marker(raw: bytes, node_id: str) -> tuple[int, str] | None:
     """(local step, payload SHA-256) of the last delta a finished node names (-1, "" if it sent none);
-    None if the marker is not a valid one of `node_id`."""
+    None while it runs, or if the marker is not a valid one of `node_id`."""
     try:
         m = json.loads(raw)
         step, sha = m["last_local_step"], m["last_delta_sha256"]
-        if m["node_id"] != node_id or isinstance(step, bool) or not isinstance(step, int) or step < -1:
+        if m["node_id"] != node_id or m.get("state") != "finished":
+            return None
+        if isinstance(step, bool) or not isinstance(step, int) or step < -1:
             return None
         return (step, sha) if isinstance(sha, str) else None
     except (ValueError, UnicodeDecodeError, KeyError, TypeError):
@@ -207,7 +209,7 @@ class Intake:
             waiting = [c for c in mine if c.identity not in ledger]
             final = self._read_marker(node, revision)
             if final is None or any(c.local_step > final[0] for c in mine):
-                out[node] = "no final marker yet" + (f", {len(waiting)} delta(s) waiting" if waiting else "")
+                out[node] = "not finished yet" + (f", {len(waiting)} delta(s) waiting" if waiting else "")
             elif waiting:
                 out[node] = f"{len(waiting)} delta(s) waiting: " + ", ".join(c.path for c in waiting[:3])
             elif (

@@ -377,19 +377,22 @@ class OuterLoop:
         while not self._stop.wait(self.poll_interval):
             self._round()
         # stop() was called: rounds until every node's final delta is processed, or drain_timeout passed
-        self._draining, deadline = True, time.monotonic() + self._drain_timeout
-        announced = 0.0
-        while not self._round() or self.unfinished:
-            if self.fenced or (remaining := deadline - time.monotonic()) <= 0:
+        # (a round that a transport error cut short is tried again, up to 20 polls, even past the deadline)
+        self._draining, deadline, announced, failed = True, time.monotonic() + self._drain_timeout, 0.0, 0
+        while not self.fenced:
+            ok = self._round()
+            failed = 0 if ok else failed + 1
+            remaining = deadline - time.monotonic()
+            if (ok and not self.unfinished) or (remaining <= 0 and (ok or failed >= 20)):
                 break
-            if time.monotonic() - announced > 30:
-                announced = time.monotonic()
-                log.info(
-                    f"master: waiting up to {remaining:.0f}s for the final deltas of: {self.describe_left()}"
-                )
-            time.sleep(min(self.poll_interval, remaining))
-        if self._pending:  # below the quorum at the end: apply them rather than lose them
-            self._round(flush=True)
+            if self.unfinished and time.monotonic() - announced > 30:
+                announced, left = time.monotonic(), self.describe_left()
+                log.info(f"master: waiting up to {remaining:.0f}s for the final deltas of: {left}")
+            time.sleep(self.poll_interval if remaining <= 0 else min(self.poll_interval, remaining))
+        for _ in range(20 if self._pending else 0):  # below the quorum at the end: apply, do not lose them
+            if self._round(flush=True) or self.fenced:
+                break
+            time.sleep(self.poll_interval)
         if self.unfinished:
             log.warning(
                 f"master: stopped after drain_timeout {self._drain_timeout:g}s without the final deltas of: "

@@ -19,7 +19,7 @@ import torch
 
 from diloco.config import ConfigError
 
-from .ending import await_final_status, remove_stale_marker, send_final, wait_upload
+from .ending import announce, await_final_status, send_final, wait_upload
 from .node import _COUNTERS, DeltaJob, Node, _Inline
 from .recovery import MasterState
 from .settings import Settings
@@ -133,11 +133,11 @@ class DumbDiLoCo(Node):
         if self.started:
             return
         self.connect()
-        remove_stale_marker(self)
         if s.is_master:
             start_master(self)
         elif (newer := self._safe_fetch()) is not None:
             self.stage(newer)
+        announce(self)  # the master waits for this node at its end
         if self._resume is not None:
             self._resume_inner_loop()
         elif not self._install_staged():
