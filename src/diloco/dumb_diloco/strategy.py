@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from contextlib import nullcontext
@@ -25,6 +26,7 @@ from .recovery import MasterState
 from .settings import Settings
 from .startup import connect, start_master
 from .tensor_format import DeltaMeta
+from .transport import deadline
 
 log = logging.getLogger("diloco.dumb_diloco")
 
@@ -108,15 +110,16 @@ class DumbDiLoCo(Node):
             raise s.error("this node was closed; it cannot be started again")
         if self.started:
             return
-        self.connect()
-        if s.is_master:
-            start_master(self)
-        elif (newer := self._safe_fetch()) is not None:
-            self.stage(newer)
-        if self._resume is not None:
-            self._resume_inner_loop()
-        elif not self._install_staged():
-            raise self.s.error("the global model cannot be installed into this model")
+        with deadline(time.monotonic() + s.startup_timeout, "start-up"):  # retries included
+            self.connect()
+            if s.is_master:
+                start_master(self)
+            elif (newer := self._safe_fetch()) is not None:
+                self.stage(newer)
+            if self._resume is not None:
+                self._resume_inner_loop()
+            elif not self._install_staged():
+                raise self.s.error("the global model cannot be installed into this model")
         for lane, on in (("upload", s.async_delta_upload), ("poll", s.async_global_poll and not s.is_master)):
             self._lanes[lane] = ThreadPoolExecutor(1, f"dumb-diloco-{lane}-{s.node_id}") if on else _Inline()
         self._last_poll = self.clock()
