@@ -29,7 +29,8 @@ fails the next n matching requests with an HTTP status (429 with Retry-After, 50
 by dropping the connection (before or, for commits, after applying them);
 `fail_fraction(p, status, seed)` fails a seeded-random fraction. `counts` and `bytes_out` count
 requests and body bytes by kind (``repo_create``, ``repo_info``, ``preupload``, ``commit``,
-``tree``, ``paths_info``, ``commits``, ``resolve_head``, ``resolve_get``).
+``tree``, ``paths_info``, ``commits``, ``resolve_head``, ``resolve_get``); `requests` lists each
+request's method, kind, path, Range header and arrival time (time.monotonic()).
 """
 
 from __future__ import annotations
@@ -318,7 +319,13 @@ class _Handler(BaseHTTPRequestHandler):
         with hub._lock:
             hub.counts[kind] += 1
             hub.requests.append(
-                {"method": method, "kind": kind, "path": unquote(path), "range": self.headers.get("Range")}
+                {
+                    "method": method,
+                    "kind": kind,
+                    "path": unquote(path),
+                    "range": self.headers.get("Range"),
+                    "time": time.monotonic(),
+                }
             )
             if kind == "unknown":
                 hub.unknown.append(f"{method} {self.path}")

@@ -2,14 +2,16 @@
 
 Invariants: one `write` is one commit (`parent_commit` for optimistic concurrency; HTTP 412 is a
 RevisionConflict); a commit whose answer was lost is checked before it is sent again, so it never
-lands twice; reads are pinned to a commit sha and capped while streaming; the token never appears in
-a log line, an exception or a repr. Retries, limits and the client's own: docs/dumb_diloco.md#stores.
+lands twice; reads are pinned to a commit sha and capped while streaming; retries never sleep past the
+caller's `deadline`; the token never appears in a log line, an exception or a repr. Retries, limits
+and the client's own: docs/dumb_diloco.md#stores.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import hashlib
 import logging
 import os
@@ -17,7 +19,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import Any, TypeVar
@@ -43,6 +45,27 @@ HUB_COMMITS_PER_HOUR = 128
 HUB_REPO_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _TOKEN_RE = re.compile(r"(hf_|api_org_)[A-Za-z0-9]{6,}")
 T = TypeVar("T")
+# (absolute time on the transport's clock, what it bounds); per thread: a new thread starts without one
+_DEADLINE: contextvars.ContextVar[tuple[float, str] | None] = contextvars.ContextVar("deadline", default=None)
+
+
+@contextlib.contextmanager
+def deadline(at: float, what: str = "caller's") -> Iterator[None]:
+    """Within this block (this thread), a HubTransport call stops retrying rather than sleep past `at`
+    (time.monotonic(), or the transport's `clock`) and clips its HTTP timeouts to the time left. A
+    deadline inside another keeps the earlier of the two."""
+    outer = _DEADLINE.get()
+    token = _DEADLINE.set(outer if outer is not None and outer[0] <= at else (at, what))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def time_left(clock: Callable[[], float] = time.monotonic) -> float | None:
+    """Seconds until the current deadline (negative once passed), None without one."""
+    current = _DEADLINE.get()
+    return None if current is None else current[0] - clock()
 
 
 def check_commit_budget(num_nodes: int, seconds_per_boundary: float, limit_per_hour: int = 128) -> str | None:
@@ -109,6 +132,7 @@ class HubTransport:
         commit_limit_per_hour: int = HUB_COMMITS_PER_HOUR,
         rng: random.Random | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         from huggingface_hub import HfApi
 
@@ -126,11 +150,11 @@ class HubTransport:
         self.timeout_s = timeout_s
         self.commit_limit_per_hour = commit_limit_per_hour
         self._rng = rng or random.Random()
-        self._sleep = sleep
+        self._sleep, self._clock = sleep, clock
         self._lock = threading.Lock()
         self._commit_times: collections.deque[float] = collections.deque()
         self._last_rate_warning = float("-inf")
-        if create:
+        if create:  # create_repo takes no timeout (see _call)
             self._call(
                 "create repository",
                 lambda: self._api.create_repo(repo_id, exist_ok=True, private=True, repo_type="model"),
@@ -166,12 +190,25 @@ class HubTransport:
             raise err
         return None, None, None
 
+    def _timeout(self) -> float:
+        """request_timeout, clipped to the time left before the current `deadline`."""
+        left = time_left(self._clock)
+        return self.timeout_s if left is None else max(0.01, min(self.timeout_s, left))
+
     def _call(
         self, what: str, fn: Callable[[], T], *, on_transient: Callable[[], T | None] | None = None
     ) -> T:
-        """Run `fn` with retries. `on_transient`, if given, runs after an ambiguous failure and
-        before the next attempt; a non-None result ends the call with that result."""
-        start, attempt, ambiguous = time.monotonic(), 0, False
+        """Run `fn` with retries, until retry.max_attempts or retry.max_total_s, and never past the
+        current `deadline`: no attempt starts after it, no backoff ends after it (TransientError). Its
+        requests take `_timeout()` where the client accepts a timeout (repo_info, the GETs of `_get`);
+        create_repo, create_commit, list_repo_tree and get_paths_info accept none and the client's shared
+        HTTP client has none, so one of those that hangs can outlast the deadline. `on_transient`, if
+        given, runs after an ambiguous failure and before the next attempt; a non-None result ends the
+        call with that result."""
+        start, attempt, ambiguous = self._clock(), 0, False
+        bound = _DEADLINE.get()
+        if bound is not None and bound[0] <= start:
+            raise TransientError(f"{what}: not tried, the {bound[1]} deadline has passed")
         while True:
             attempt += 1
             try:
@@ -199,11 +236,16 @@ class HubTransport:
                         "hour (Hub limit about %d/hour per repository)",
                         *(what, self.commits_last_hour(), self.commit_limit_per_hour),
                     )
-                elapsed = time.monotonic() - start
+                elapsed = self._clock() - start
                 delay = self.retry.delay(attempt, retry_after, self._rng)
                 if attempt >= self.retry.max_attempts or elapsed + delay > self.retry.max_total_s:
                     raise TransientError(
                         f"{what} gave up after {attempt} attempt(s) in {elapsed:.1f}s; last error: {desc}"
+                    ) from None
+                if bound is not None and self._clock() + delay > bound[0]:
+                    raise TransientError(
+                        f"{what} gave up after {attempt} attempt(s) in {elapsed:.1f}s (a retry in "
+                        f"{delay:.1f}s would pass the {bound[1]} deadline); last error: {desc}"
                     ) from None
                 logger.warning(
                     "%s failed (attempt %d/%d): %s; retrying in %.1fs",
@@ -237,7 +279,7 @@ class HubTransport:
     def revision(self) -> str:
         info = self._call(
             "read repository revision",
-            lambda: self._api.repo_info(self.repo_id, repo_type="model", timeout=self.timeout_s),
+            lambda: self._api.repo_info(self.repo_id, repo_type="model", timeout=self._timeout()),
         )
         if not info.sha:
             raise TransportError(f"the Hub returned no commit sha for {self.repo_id}")
@@ -274,7 +316,7 @@ class HubTransport:
             headers["Range"] = f"bytes={start}-{start + length - 1}"
         url = hf_hub_url(self.repo_id, path, revision=revision, endpoint=self.endpoint)
         with get_session().stream(
-            "GET", url, headers=headers, timeout=self.timeout_s, follow_redirects=True
+            "GET", url, headers=headers, timeout=self._timeout(), follow_redirects=True
         ) as resp:
             if resp.status_code == 416:  # range past the end: the file is shorter than asked
                 m = re.match(r"bytes \*/(\d+)", resp.headers.get("Content-Range", ""))
@@ -327,7 +369,7 @@ class HubTransport:
         """Head sha if the head already holds exactly `files` and none of `delete`, else None."""
         from huggingface_hub.hf_api import RepoFile
 
-        head = self._api.repo_info(self.repo_id, repo_type="model", timeout=self.timeout_s).sha
+        head = self._api.repo_info(self.repo_id, repo_type="model", timeout=self._timeout()).sha
         infos = self._api.get_paths_info(self.repo_id, [*files, *delete], revision=head)
         by_path = {i.path: i for i in infos if isinstance(i, RepoFile)}
         for path, data in files.items():

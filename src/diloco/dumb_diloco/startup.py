@@ -4,7 +4,8 @@ first global (`connect`), and a master's start from the newest state it can trus
 Invariants: step_count.json and latest.safetensors are read at one revision; a global is returned only
 if newer than what the node holds and fully validated (the model's keys, shapes and dtypes, finite,
 SHA-256, one outer step in both files); a rejected global is not downloaded again; a worker never
-joins a master built from other initial weights. Prose: docs/dumb_diloco.md ("Node lifecycle",
+joins a master built from other initial weights; both run under the start-up deadline of
+`DumbDiLoCo.start` (startup_timeout, retries included). Prose: docs/dumb_diloco.md ("Node lifecycle",
 "Restarts and checkpoints").
 """
 
@@ -40,6 +41,7 @@ from .transport import (
     Transport,
     TransportError,
     open_transport,
+    time_left,
     write_atomic,
 )
 
@@ -125,13 +127,16 @@ class GlobalReader:
 
 
 def connect(node: DumbDiLoCo) -> None:
-    """Open the repository. A worker waits (up to startup_timeout) for the master's first global and
-    stages it; the master creates the repository (private, on the Hub)."""
+    """Open the repository. A worker waits (up to startup_timeout, and never past the deadline that
+    `DumbDiLoCo.start` sets) for the master's first global and stages it; the master creates the
+    repository (private, on the Hub)."""
     s = node.s
     if node.transport is not None and (s.is_master or node.newest_known() >= 0):
         return  # already connected (and, a worker, holding a global)
-    deadline, announced, rejected = node.clock() + s.startup_timeout, False, ""
+    deadline, announced, rejected, waiting_for = node.clock() + s.startup_timeout, False, "", ""
     while True:
+        if waiting_for and _start_deadline_passed():  # no attempt after start()'s deadline
+            raise _no_global(node, waiting_for)
         try:
             if node.transport is None:
                 try:
@@ -167,15 +172,28 @@ def connect(node: DumbDiLoCo) -> None:
         if rejected:
             waiting_for = f"a valid global model (the newest was rejected: {rejected})"
         if (remaining := deadline - node.clock()) <= 0:
-            raise node.s.error(
-                f"no global model in {s.repo_id} after {s.startup_timeout:g}s (waiting for {waiting_for}); "
-                "start the master (distributed.role=master) with the same distributed.repo_id, or raise "
-                "distributed.startup_timeout"
-            )
+            raise _no_global(node, waiting_for)
         if not announced:
             log.info("node %s: waiting for %s in %s", s.node_id, waiting_for, s.repo_id)
             announced = True
-        node.sleep(min(s.poll_interval, 2.0, remaining))
+        wait = min(s.poll_interval, 2.0, remaining)
+        if (left := time_left()) is not None:
+            wait = min(wait, max(left, 0.0))
+        node.sleep(wait)
+
+
+def _start_deadline_passed() -> bool:
+    left = time_left()
+    return left is not None and left <= 0
+
+
+def _no_global(node: DumbDiLoCo, waiting_for: str) -> DumbDiLoCoError:
+    s = node.s
+    return s.error(
+        f"no global model in {s.repo_id} after {s.startup_timeout:g}s (waiting for {waiting_for}); "
+        "start the master (distributed.role=master) with the same distributed.repo_id, or raise "
+        "distributed.startup_timeout"
+    )
 
 
 def check_same_start(node: DumbDiLoCo) -> None:

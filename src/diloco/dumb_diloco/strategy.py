@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
@@ -25,6 +26,7 @@ from .recovery import MasterState
 from .settings import Settings
 from .startup import connect, start_master
 from .tensor_format import DeltaMeta
+from .transport import deadline
 
 log = logging.getLogger("diloco.dumb_diloco")
 
@@ -87,12 +89,14 @@ class DumbDiLoCo(Node):
         worker, what the master did with that delta (within the same deadline); on the master, rounds until
         every node's final delta is processed (within drain_timeout), whose global is installed for the
         final evaluation. True when the model changed."""
-        deadline = self.clock() + self.s.shutdown_timeout
-        send_final(self, deadline)
+        end, bound = self.clock() + self.s.shutdown_timeout, time.monotonic() + self.s.shutdown_timeout
+        with deadline(bound, "shutdown"):  # the Hub's retries included
+            send_final(self, end)
         self._stop_outer(self.s.drain_timeout)
         self.close()
         if self.outer is None:
-            self.final_status = await_final_status(self, deadline)
+            with deadline(bound, "shutdown"):
+                self.final_status = await_final_status(self, end)
             log.info(f"node {self.s.node_id}: final delta {self.final_status}")
             return False
         self.final_status = self._own_final_status()
@@ -132,16 +136,17 @@ class DumbDiLoCo(Node):
             raise s.error("this node was closed; it cannot be started again")
         if self.started:
             return
-        self.connect()
-        if s.is_master:
-            start_master(self)
-        elif (newer := self._safe_fetch()) is not None:
-            self.stage(newer)
-        announce(self)  # the master waits for this node at its end
-        if self._resume is not None:
-            self._resume_inner_loop()
-        elif not self._install_staged():
-            raise self.s.error("the global model cannot be installed into this model")
+        with deadline(time.monotonic() + s.startup_timeout, "start-up"):  # retries included
+            self.connect()
+            if s.is_master:
+                start_master(self)
+            elif (newer := self._safe_fetch()) is not None:
+                self.stage(newer)
+            announce(self)  # the master waits for this node at its end
+            if self._resume is not None:
+                self._resume_inner_loop()
+            elif not self._install_staged():
+                raise self.s.error("the global model cannot be installed into this model")
         for lane, on in (("upload", s.async_delta_upload), ("poll", s.async_global_poll and not s.is_master)):
             self._lanes[lane] = ThreadPoolExecutor(1, f"dumb-diloco-{lane}-{s.node_id}") if on else _Inline()
         self._last_poll = self.clock()

@@ -11,7 +11,7 @@ import os
 from urllib.parse import unquote, urlparse
 
 from .directory import DirectoryTransport, write_atomic
-from .hub import HUB_REPO_ID_RE, HubTransport, RetryPolicy, check_commit_budget
+from .hub import HUB_REPO_ID_RE, HubTransport, RetryPolicy, check_commit_budget, deadline, time_left
 from .store import (
     FileTooLarge,
     RemoteFile,
@@ -35,7 +35,9 @@ __all__ = [
     "Transport",
     "TransportError",
     "check_commit_budget",
+    "deadline",
     "open_transport",
+    "time_left",
     "validate_repo_path",
     "write_atomic",
 ]
