@@ -191,8 +191,20 @@ def noniid_shard_of(url: str, key: str, num_shards: int) -> int:
     return int.from_bytes(hashlib.sha256(k.encode()).digest()[:8], "big") % num_shards
 
 
-def document_stream(data_cfg: DictConfig, split: str, shard: int = 0, num_shards: int = 1):
-    """A `datasets.IterableDataset` of this shard's documents (dicts with `text` and `url`)."""
+def document_stream(
+    data_cfg: DictConfig, split: str, shard: int = 0, num_shards: int = 1, part: tuple[int, int] = (0, 1)
+):
+    """A `datasets.IterableDataset` of this shard's documents (dicts with `text` and `url`); with `part`
+    (r, G), the r-th of G disjoint parts of the shard (a DumbDiLoCo node's shard split among its ranks)."""
+    ds = _shard_documents(data_cfg, split, shard, num_shards)
+    if part[1] > 1:
+        from datasets.distributed import split_dataset_by_node
+
+        return split_dataset_by_node(ds, rank=part[0], world_size=part[1])
+    return ds
+
+
+def _shard_documents(data_cfg: DictConfig, split: str, shard: int, num_shards: int):
     from datasets import load_dataset
     from datasets.distributed import split_dataset_by_node
 
@@ -243,13 +255,20 @@ class SequenceStream:
     """Endless, resumable stream of [B, seq_len] batches from one shard (epochs repeat the shard)."""
 
     def __init__(
-        self, data_cfg: DictConfig, tokenizer, split: str, shard: int, num_shards: int, wrap: bool = True
+        self,
+        data_cfg: DictConfig,
+        tokenizer,
+        split: str,
+        shard: int,
+        num_shards: int,
+        wrap: bool = True,
+        part: tuple[int, int] = (0, 1),
     ):
         self.cfg, self.tok, self.split = data_cfg, tokenizer, split
         self.shard, self.num_shards = shard, num_shards
         self.seq_len = int(data_cfg.seq_len)
         self.packing = bool(data_cfg.packing)
-        self.ds = document_stream(data_cfg, split, shard, num_shards)
+        self.ds = document_stream(data_cfg, split, shard, num_shards, part)
         self.wrap = wrap  # False: stop after one pass (evaluation)
         self.epoch = 0
         self._buffer: list[int] = []  # packing leftovers

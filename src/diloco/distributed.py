@@ -107,8 +107,9 @@ class DistributedError(RuntimeError):
 
 
 def _resolve_topology(dcfg, world_size: int, local_world_size: int) -> int:
-    """Ranks per worker G: the whole world for DDP; `ranks_per_worker` (default: ranks per node) otherwise."""
-    if dcfg.mode == "ddp":
+    """Ranks per worker G: the whole world for DDP and for a DumbDiLoCo node (one torchrun per node);
+    `ranks_per_worker` (default: ranks per node) otherwise."""
+    if dcfg.mode in ("ddp", "dumb_diloco"):
         return world_size
     g = dcfg.get("ranks_per_worker") or local_world_size
     if not isinstance(g, int) or g < 1:
@@ -144,7 +145,7 @@ def init_distributed(cfg) -> DistContext:
     timeout = timedelta(seconds=float(dcfg.timeout_seconds)) if dcfg.get("timeout_seconds") else None
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     ctx = DistContext(rank, world, local_rank, device, world // g, rank // g, g)
-    if dcfg.mode == "ddp":  # one worker of all ranks (the default group): nobody to average with
+    if dcfg.mode in ("ddp", "dumb_diloco"):  # one worker of all ranks (the default group)
         return ctx
     for w in range(ctx.num_workers):
         group = dist.new_group(list(range(w * g, (w + 1) * g)), timeout=timeout)

@@ -361,7 +361,11 @@ def build_data(cfg, ctx: DistContext) -> tuple[PrefetchedStream, dict]:
         )
     shard = cfg.data.shard if cfg.data.shard is not None else ctx.rank
     num_shards = cfg.data.num_shards if cfg.data.num_shards is not None else ctx.world_size
-    stream = SequenceStream(cfg.data, tokenizer, cfg.data.train_split, shard, num_shards)
+    part = (0, 1)
+    if cfg.distributed.mode == "dumb_diloco":  # a node's shard (data.shard), split among the node's ranks
+        shard, num_shards = cfg.data.shard or 0, cfg.data.num_shards or 1
+        part = (ctx.rank, ctx.world_size)
+    stream = SequenceStream(cfg.data, tokenizer, cfg.data.train_split, shard, num_shards, part=part)
     train_stream = PrefetchedStream(stream, cfg.train.micro_batch_size)
     if not ctx.is_main:
         return train_stream, {}

@@ -18,8 +18,6 @@ from contextlib import nullcontext
 
 import torch
 
-from diloco.config import ConfigError
-
 from .ending import announce, await_final_status, send_final, wait_upload
 from .node import _COUNTERS, DeltaJob, Node, _Inline
 from .recovery import MasterState
@@ -38,35 +36,39 @@ class DumbDiLoCo(Node):
 
     @classmethod
     def from_config(cls, cfg, ctx, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        """No I/O and no threads here: `start` connects (a worker without a master fails there)."""
-        from diloco.distributed import LocalTraining
+        """No I/O and no threads here: `start` connects (a worker without a master fails there). Under
+        torchrun a node is G ranks with DDP inside (ranks.NodeRanks), whose rank 0 alone is a DumbDiLoCo."""
+        from diloco.distributed import DataParallel, LocalTraining
 
         settings = Settings.from_config(cfg.distributed)
+        ddp = DataParallel(cfg.distributed, ctx, model) if ctx.world_size > 1 else None
         if settings.role == "single":
-            return LocalTraining(ctx)
-        if ctx.world_size > 1:
-            raise ConfigError(
-                "distributed=dumb_diloco runs one process per node; start each node with plain "
-                "`python -m diloco.train`"
-            )
-        if cfg.data.get("shard") is None:
+            return ddp or LocalTraining(ctx)
+        if cfg.data.get("shard") is None and ctx.is_main:
             log.warning(
                 f"node {settings.node_id}: data.shard/data.num_shards are not set, so this node reads the "
                 "same data as every other node left at the default; give node i of n `data.shard=i "
                 "data.num_shards=n`"
             )
         hf_config = json.loads(model.config.to_json_string()) if hasattr(model, "config") else None
-        batch = cfg.train.batch_size
+        batch = cfg.train.batch_size  # the node's, split among its ranks
         workers = int(cfg.data.get("num_shards") or 1)
-        return cls(
-            model,
-            settings,
-            optimizer=optimizer,
-            num_workers=workers,
-            hf_config=hf_config,
-            tokens_per_step=batch * cfg.data.seq_len,
-            samples_per_step=batch,
-        )
+        leader = None
+        if ctx.is_main:
+            leader = cls(
+                model,
+                settings,
+                optimizer=optimizer,
+                num_workers=workers,
+                hf_config=hf_config,
+                tokens_per_step=batch * cfg.data.seq_len,
+                samples_per_step=batch,
+            )
+        if ddp is None:
+            return leader
+        from .ranks import NodeRanks
+
+        return NodeRanks(ctx, model, optimizer, ddp, leader, settings, workers)
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
