@@ -9,8 +9,9 @@ Usage: scripts/launch_node.sh --experiment NAME [options] [-- extra hydra overri
 Starts this node's part of an experiment (configs/experiment/NAME.yaml):
   DDP and synchronous DiLoCo: torchrun with the experiment's --nnodes / --nproc_per_node, this node's
     --node_rank and a c10d rendezvous at --rdzv (node 0's address; not needed on a single node).
-  DumbDiLoCo: one training process in the given --role (master or worker) with its --node-id, --repo-id
-    (a Hub repo org/name or a shared directory) and data --shard; no rendezvous at all.
+  DumbDiLoCo: one node in the given --role (master or worker) with its --node-id, --repo-id (a Hub repo
+    org/name or a shared directory) and data --shard: one process, or torchrun with the experiment's
+    --nproc_per_node on this machine (DDP inside the node); no rendezvous between nodes.
 
 Options (each also read from the environment variable in brackets):
   --experiment NAME    e.g. 150m/diloco_8w_h500, 1b/ddp, tiny/diloco_fp32          [EXPERIMENT]
@@ -118,6 +119,10 @@ if [[ $EXP_MODE == dumb_diloco ]]; then
        "distributed.role=$ROLE" "distributed.node_id=$NODE_ID" "distributed.repo_id=$REPO_ID"
        "data.shard=$SHARD" "data.num_shards=$EXP_WORKERS" "${EXTRA[@]}")
   CMD=("$PY" -m diloco.train "${TRAIN_ARGS[@]}")
+  if (( EXP_GPUS_PER_NODE > 1 )); then  # a node of G ranks: DDP inside, its rank 0 talks to the store
+    CMD=("$PY" scripts/launch_ranks.py --nnodes 1 --nproc_per_node "$EXP_GPUS_PER_NODE" --standalone
+         -m diloco.train "${TRAIN_ARGS[@]}")
+  fi
 else
   (( NODE_RANK < EXP_NODES )) || die "--node-rank $NODE_RANK is outside 0..$((EXP_NODES - 1)) for $EXPERIMENT"
   if (( EXP_NODES > 1 )); then

@@ -223,3 +223,12 @@ def test_every_file_under_nodes_is_on_the_published_ledger_and_a_copy_is_a_dupli
         and ["c", 3, "duplicate"]
         in [[r["node_id"], r["local_step"], r["status"]] for r in published["entries"]]
     )
+
+
+def test_a_quorum_does_not_hold_back_the_last_deltas_once_every_node_finished(tmp_path, caplog):
+    coord = master(tmp_path, min_deltas_per_round=4, drain_timeout=600)
+    repo = coord.transport
+    marker(repo, "w", 3, put_delta(repo, "w", 3, g(1.0)))  # one delta, below the quorum, and w is done
+    coord.finish()  # the master's own marker too: nothing more can come, so the pending delta is applied
+    assert [(e.node_id, e.status) for e in coord.outer.state.ledger.entries()] == [("w", "applied")]
+    assert coord.outer.unfinished == {} and "stopped after drain_timeout" not in caplog.text

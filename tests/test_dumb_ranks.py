@@ -139,3 +139,82 @@ def test_a_node_of_two_ranks_uploads_the_deltas_of_a_node_of_one_rank(tmp_path):
             torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
     final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     torch.testing.assert_close(ranks[0]["weights"], final, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ whole nodes: torchrun, the trainer
+
+
+def _torchrun(role: str, node_id: str, shard: int, repo_id: str, tmp_path: Path, env: dict):
+    import subprocess
+    import sys
+
+    from mp_utils import QUIET_ENV, ROOT
+    from trainer_utils import SMALL
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "diloco.train", *SMALL, "train.max_steps=20", "train.log_every=5", "eval.tokens=1024",
+        "distributed=dumb_diloco", "distributed.inner_steps=5", "distributed.poll_interval=0.2",
+        "distributed.outer_momentum=0.3", "distributed.min_deltas_per_round=2",
+        "distributed.startup_timeout=240", "distributed.shutdown_timeout=120", "distributed.drain_timeout=240",
+        f"distributed.role={role}", f"distributed.node_id={node_id}", f"distributed.repo_id={repo_id}",
+        f"distributed.state_dir={tmp_path / 'state'}", f"data.shard={shard}", "data.num_shards=2",
+        f"out_dir={tmp_path / 'runs'}", f"run_name={node_id}",
+    ]  # fmt: skip
+    log = open(tmp_path / f"{node_id}.out", "w")  # noqa: SIM115 - closed by the caller's wait
+    return subprocess.Popen(cmd, cwd=ROOT, env={**env, **QUIET_ENV}, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["directory", "hub"])
+def test_a_master_node_and_a_worker_node_of_two_ranks_each(tmp_path, kind):
+    """Two torchrun jobs of 2 gloo ranks each, `python -m diloco.train` as the launcher starts them: every
+    delta applied exactly once, both ranks of each node identical at the end (their checkpoints), and one
+    uploader per node (the Hub's commits of each node's deltas = its delta files = its uploads)."""
+    import json
+    import os
+
+    from diloco import checkpoint
+    from diloco.dumb_diloco.tensor_format import parse_delta_path
+    from diloco.dumb_diloco.transport import DirectoryTransport, HubTransport
+
+    token = "hf_NodeRanksTestToken0123456789"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
+    server = None
+    if kind == "hub":
+        from hub_server import HubServer
+
+        server = HubServer(token=token).start()
+        env |= {"HF_ENDPOINT": server.url, "HF_TOKEN": token, "HF_HOME": str(tmp_path / "hf_home")}
+    repo_id = "ranks-org/run" if kind == "hub" else str(tmp_path / "repo")
+    try:
+        procs = [_torchrun("worker", "worker-1", 1, repo_id, tmp_path, env)]
+        procs.append(_torchrun("master", "master-1", 0, repo_id, tmp_path, env))
+        for p, node in zip(procs, ("worker-1", "master-1")):
+            p.wait(timeout=600)
+            assert p.returncode == 0, (tmp_path / f"{node}.out").read_text()[-4000:]
+        if kind == "hub":
+            repo = HubTransport(repo_id, token=token, endpoint=server.url, create=False)
+            commits = [c.title for c in server.repos[repo_id].commits.values()]
+        else:
+            repo = DirectoryTransport(repo_id, create=False)
+    finally:
+        if server is not None:
+            server.stop()
+    files = [f.path for f in repo.list("nodes") if f.path.endswith(".safetensors")]
+    deltas = sorted(parse_delta_path(p) for p in files)
+    state = json.loads((tmp_path / "state" / "master-1" / "master_state.json").read_text())
+    applied = sorted((e["node_id"], e["local_step"]) for e in state["ledger"] if e["status"] == "applied")
+    assert applied == deltas and len(deltas) == 8  # 4 boundaries of 2 nodes, each applied once
+    for node in ("worker-1", "master-1"):
+        run = tmp_path / "runs" / node
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["dumb_diloco/ranks_per_node"] == 2 and summary["world_size"] == 2
+        assert summary["comm/uploads"] == sum(n == node for n, _ in deltas) == 4
+        assert summary["dumb_diloco/final_delta"].startswith("applied at outer step")
+        w0, w1 = (
+            torch.load(checkpoint.latest(run) / f"rank{r}.pt", weights_only=True)["model"] for r in (0, 1)
+        )
+        assert all(torch.equal(w0[k], w1[k]) for k in w0), node
+        if kind == "hub":
+            assert sum(t.startswith(f"{node}: delta at local step") for t in commits) == 4, commits

@@ -77,6 +77,7 @@ class Intake:
         self.transient = False  # this round skipped something after a transport error (retried next poll)
         self.refused: list[tuple[str, int, str, str]] = []  # (node, step, tag, reason) from the last listing
         self.markers: dict[str, object] = {}  # node -> its nodes/<node>/final.json (RemoteFile), last listing
+        self.all_finished = False  # at the last `unfinished`: every node had written its final marker
         self._marker_cache: dict[tuple[str, str], tuple[int, str] | None] = {}  # (path, version) -> parsed
         self.bytes_downloaded = 0
 
@@ -203,12 +204,13 @@ class Intake:
         node is finished when its marker (nodes/<node>/final.json, written after its last upload) names a
         processed delta and nothing newer of it waits."""
         nodes = set(self.allowed) if self.allowed else {c.node_id for c in listed} | set(self.markers)
-        out = {}
+        out, self.all_finished = {}, True  # all_finished: every node's marker says so (nothing new will come)
         for node in sorted(nodes | {master}):
             mine = [c for c in listed if c.node_id == node]
             waiting = [c for c in mine if c.identity not in ledger]
             final = self._read_marker(node, revision)
             if final is None or any(c.local_step > final[0] for c in mine):
+                self.all_finished = False
                 out[node] = "not finished yet" + (f", {len(waiting)} delta(s) waiting" if waiting else "")
             elif waiting:
                 out[node] = f"{len(waiting)} delta(s) waiting: " + ", ".join(c.path for c in waiting[:3])

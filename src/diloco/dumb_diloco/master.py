@@ -380,7 +380,7 @@ class OuterLoop:
         # (a round that a transport error cut short is tried again, up to 20 polls, even past the deadline)
         self._draining, deadline, announced, failed = True, time.monotonic() + self._drain_timeout, 0.0, 0
         while not self.fenced:
-            ok = self._round()
+            ok = self._round(flush=self.intake.all_finished)  # every node finished: no quorum to wait for
             failed = 0 if ok else failed + 1
             remaining = deadline - time.monotonic()
             if (ok and not self.unfinished) or (remaining <= 0 and (ok or failed >= 20)):
