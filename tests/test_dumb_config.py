@@ -109,12 +109,17 @@ def test_single_role_or_disabled_trains_like_distributed_none(tmp_path, change):
     assert not (tmp_path / "repo").exists()  # no transport was opened
 
 
-def test_one_process_per_node(tmp_path):
+def test_a_node_of_two_ranks_has_one_dumb_diloco_on_its_rank_0(tmp_path):
+    """Under torchrun a node is DDP over its ranks; only rank 0 holds the node that talks to the store
+    (tests/test_dumb_ranks.py runs such nodes)."""
+    from diloco.dumb_diloco.ranks import NodeRanks
+
     cfg = compose_cfg(
         ["distributed=dumb_diloco", "distributed.node_id=n", f"distributed.repo_id={tmp_path}/r"]
     )
-    with pytest.raises(ConfigError, match="one process per node"):
-        DumbDiLoCo.from_config(cfg, DistContext(world_size=2), torch.nn.Linear(2, 2), None)
+    model = torch.nn.Linear(2, 2)
+    rank0, rank1 = (DumbDiLoCo.from_config(cfg, DistContext(r, 2), model, None) for r in (0, 1))
+    assert isinstance(rank0, NodeRanks) and isinstance(rank0.leader, DumbDiLoCo) and rank1.leader is None
 
 
 def test_lone_master_trains_publishes_and_records(tmp_path):

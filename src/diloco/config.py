@@ -326,10 +326,13 @@ def check_dumb_diloco(d: Any) -> None:
     _number(d, "keep_deltas", p, 0, strict=False, integer=True)
     _number(d, "lease_seconds", p, 0, strict=False)
     _number(d, "timeout_seconds", p, 0)
-    if d.timeout_seconds < d.drain_timeout + d.shutdown_timeout:
+    wait, what = (d.drain_timeout + d.shutdown_timeout, "drain_timeout + shutdown_timeout")
+    if d.role != "master":
+        wait, what = d.shutdown_timeout, "shutdown_timeout"
+    if d.timeout_seconds < wait:
         raise ConfigError(
-            f"{p}timeout_seconds ({d.timeout_seconds:g}) must be at least drain_timeout + shutdown_timeout "
-            f"({d.drain_timeout + d.shutdown_timeout:g}): a node's other ranks wait that long for its rank 0"
+            f"{p}timeout_seconds ({d.timeout_seconds:g}) must be at least {what} ({wait:g}): a node's other "
+            "ranks wait that long for its rank 0 at the end"
         )
     if d.max_file_bytes is not None:
         _number(d, "max_file_bytes", p, 0, integer=True)

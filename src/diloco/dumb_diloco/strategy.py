@@ -146,7 +146,10 @@ class DumbDiLoCo(Node):
                 self.stage(newer)
             announce(self)  # the master waits for this node at its end
             if self._resume is not None:
+                at_boundary = not (self._resume.get("steps_since_capture") or self._resume.get("carry"))
                 self._resume_inner_loop()
+                if at_boundary:  # what the uninterrupted node did there: install a newer global, if any
+                    self._install_staged()
             elif not self._install_staged():
                 raise self.s.error("the global model cannot be installed into this model")
         for lane, on in (("upload", s.async_delta_upload), ("poll", s.async_global_poll and not s.is_master)):
@@ -206,9 +209,8 @@ class DumbDiLoCo(Node):
             self.last_uploaded = (int(last[0]), str(last[1]))
         if "master" in state and self.s.is_master:
             self.ckpt_master = MasterState.from_checkpoint(state["master"])
-        if state.get("baseline") and (state.get("steps_since_capture") or state.get("carry")):
-            self._resume = state  # progress since the last boundary: continue that inner loop exactly
-        # else: at a boundary; starting from the newest global is what the uninterrupted node would do
+        if state.get("baseline"):  # continue that inner loop exactly (at a boundary: and a newer global)
+            self._resume = state
 
     def _resume_inner_loop(self) -> None:
         """Continue the checkpoint's inner loop: the live model already holds the checkpoint's weights;
