@@ -144,7 +144,7 @@ def test_a_node_of_two_ranks_uploads_the_deltas_of_a_node_of_one_rank(tmp_path):
 # ------------------------------------------------------------------ whole nodes: torchrun, the trainer
 
 
-def _torchrun(role: str, node_id: str, shard: int, repo_id: str, tmp_path: Path, env: dict):
+def _torchrun(role: str, node_id: str, shard: int, repo_id: str, tmp_path: Path, env: dict, extra=()):
     import subprocess
     import sys
 
@@ -159,7 +159,7 @@ def _torchrun(role: str, node_id: str, shard: int, repo_id: str, tmp_path: Path,
         "distributed.startup_timeout=240", "distributed.shutdown_timeout=120", "distributed.drain_timeout=240",
         f"distributed.role={role}", f"distributed.node_id={node_id}", f"distributed.repo_id={repo_id}",
         f"distributed.state_dir={tmp_path / 'state'}", f"data.shard={shard}", "data.num_shards=2",
-        f"out_dir={tmp_path / 'runs'}", f"run_name={node_id}",
+        f"out_dir={tmp_path / 'runs'}", f"run_name={node_id}", *extra,
     ]  # fmt: skip
     log = open(tmp_path / f"{node_id}.out", "w")  # noqa: SIM115 - closed by the caller's wait
     env = {**env, **QUIET_ENV}
@@ -221,3 +221,71 @@ def test_a_master_node_and_a_worker_node_of_two_ranks_each(tmp_path, kind):
         assert all(torch.equal(w0[k], w1[k]) for k in w0), node
         if kind == "hub":
             assert sum(t.startswith(f"{node}: delta at local step") for t in commits) == 4, commits
+
+
+def _rank_pid(agent_pid: int, local_rank: int) -> int | None:
+    """The pid of torchrun's child with LOCAL_RANK=local_rank (from /proc; None until it exists)."""
+    for task in Path(f"/proc/{agent_pid}/task").glob("*"):
+        for child in (task / "children").read_text().split():
+            try:
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"LOCAL_RANK={local_rank}".encode() in env:
+                return int(child)
+    return None
+
+
+@pytest.mark.slow
+def test_killing_one_rank_stops_the_node_and_a_restart_resumes_exactly(tmp_path):
+    """A worker node of 2 ranks training alone on a repository that holds its starting global (no master:
+    nothing arrives from outside, so its deltas depend on the node only). Killing its rank 1 stops the
+    node, with torchrun's report naming the rank; the same command resumes from the last checkpoint and
+    uploads exactly the deltas of an uninterrupted node."""
+    import os
+    import signal
+    import time
+
+    from dumb_helpers import publish
+    from trainer_utils import SMALL, compose_cfg
+
+    from diloco import checkpoint
+    from diloco.dumb_diloco.transport import DirectoryTransport
+    from diloco.model import build_model
+
+    cfg = compose_cfg([*SMALL, "distributed=dumb_diloco"])
+    initial = build_model(cfg.model, seed=cfg.seed).state_dict()
+    extra = ["train.checkpoint_every=5", "distributed.shutdown_timeout=2", "distributed.timeout_seconds=60"]
+    runs = {}
+    for name in ("whole", "killed"):
+        (tmp_path / name).mkdir()
+        publish(DirectoryTransport(tmp_path / name / "repo"), initial, 0)
+        runs[name] = lambda name=name: _torchrun(
+            "worker", "w", 0, str(tmp_path / name / "repo"), tmp_path / name, dict(os.environ), extra
+        )
+    whole = runs["whole"]()
+    assert whole.wait(timeout=280) == 0, (tmp_path / "whole" / "w.out").read_text()[-3000:]
+
+    node = runs["killed"]()
+    run_dir, repo = tmp_path / "killed" / "runs" / "w", tmp_path / "killed" / "repo"
+    deadline = time.monotonic() + 240
+    while not (checkpoint.latest(run_dir) and (repo / "nodes" / "w" / "delta_10.safetensors").exists()):
+        assert node.poll() is None and time.monotonic() < deadline, "no checkpoint at step 10"
+        time.sleep(0.05)
+    os.kill(_rank_pid(node.pid, 1), signal.SIGKILL)
+    killed_at = time.monotonic()
+    code = node.wait(timeout=120)
+    out = (tmp_path / "killed" / "w.out").read_text()
+    assert code != 0 and time.monotonic() - killed_at < 60, out[-3000:]  # within timeout_seconds
+    assert "local_rank: 1" in out and "exitcode: -9" in out, out[-3000:]  # torchrun names the dead rank
+    assert checkpoint.latest(run_dir) is not None and checkpoint.latest(run_dir).name < "step_00000020"
+
+    resumed = runs["killed"]()
+    assert resumed.wait(timeout=280) == 0, (tmp_path / "killed" / "w.out").read_text()[-3000:]
+    assert "resum" in (run_dir / "train.log").read_text().lower()
+    for step in (5, 10, 15, 20):
+        path = Path("repo") / "nodes" / "w" / f"delta_{step}.safetensors"
+        want, got = (
+            decode((tmp_path / n / path).read_bytes(), max_bytes=2**24)[0] for n in ("whole", "killed")
+        )
+        assert all(torch.equal(want[k], got[k]) for k in want), step
