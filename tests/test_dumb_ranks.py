@@ -172,12 +172,11 @@ def _torchrun(role: str, node_id: str, shard: int, repo_id: str, tmp_path: Path,
 @pytest.mark.parametrize("kind", ["directory", "hub"])
 def test_a_master_node_and_a_worker_node_of_two_ranks_each(tmp_path, kind):
     """Two torchrun jobs of 2 gloo ranks each, `python -m diloco.train` as the launcher starts them: every
-    delta applied exactly once, both ranks of each node identical at the end (their checkpoints), and one
+    delta applied exactly once, both ranks of each node identical after every boundary (their checkpoints), one
     uploader per node (the Hub's commits of each node's deltas = its delta files = its uploads)."""
     import json
     import os
 
-    from diloco import checkpoint
     from diloco.dumb_diloco.tensor_format import parse_delta_path
     from diloco.dumb_diloco.transport import DirectoryTransport, HubTransport
 
@@ -191,8 +190,9 @@ def test_a_master_node_and_a_worker_node_of_two_ranks_each(tmp_path, kind):
         env |= {"HF_ENDPOINT": server.url, "HF_TOKEN": token, "HF_HOME": str(tmp_path / "hf_home")}
     repo_id = "ranks-org/run" if kind == "hub" else str(tmp_path / "repo")
     try:
-        procs = [_torchrun("worker", "worker-1", 1, repo_id, tmp_path, env)]
-        procs.append(_torchrun("master", "master-1", 0, repo_id, tmp_path, env))
+        every = ["train.checkpoint_every=5", "train.keep_checkpoints=10"]  # after each boundary's install
+        procs = [_torchrun("worker", "worker-1", 1, repo_id, tmp_path, env, every)]
+        procs.append(_torchrun("master", "master-1", 0, repo_id, tmp_path, env, every))
         for p, node in zip(procs, ("worker-1", "master-1")):
             p.wait(timeout=600)
             assert p.returncode == 0, (tmp_path / f"{node}.out").read_text()[-4000:]
@@ -215,10 +215,11 @@ def test_a_master_node_and_a_worker_node_of_two_ranks_each(tmp_path, kind):
         assert summary["dumb_diloco/ranks_per_node"] == 2 and summary["world_size"] == 2
         assert summary["comm/uploads"] == sum(n == node for n, _ in deltas) == 4
         assert summary["dumb_diloco/final_delta"].startswith("applied at outer step")
-        w0, w1 = (
-            torch.load(checkpoint.latest(run) / f"rank{r}.pt", weights_only=True)["model"] for r in (0, 1)
-        )
-        assert all(torch.equal(w0[k], w1[k]) for k in w0), node
+        steps = sorted((run / "checkpoints").glob("step_*"))
+        assert [d.name for d in steps] == [f"step_{s:08d}" for s in (5, 10, 15, 20)]
+        for d in steps:  # both ranks identical after every boundary (and its install)
+            w0, w1 = (torch.load(d / f"rank{r}.pt", weights_only=True)["model"] for r in (0, 1))
+            assert all(torch.equal(w0[k], w1[k]) for k in w0), (node, d.name)
         if kind == "hub":
             assert sum(t.startswith(f"{node}: delta at local step") for t in commits) == 4, commits
 
