@@ -326,6 +326,11 @@ def check_dumb_diloco(d: Any) -> None:
     _number(d, "keep_deltas", p, 0, strict=False, integer=True)
     _number(d, "lease_seconds", p, 0, strict=False)
     _number(d, "timeout_seconds", p, 0)
+    _one_of(d, "install", p, ("replace", "translate"))
+    if d.install_when_staged and d.install != "translate":
+        raise ConfigError(
+            f"{p}install_when_staged needs {p}install=translate (a replace mid-round loses work)"
+        )
     wait, what = (d.drain_timeout + d.shutdown_timeout, "drain_timeout + shutdown_timeout")
     if d.role != "master":
         wait, what = d.shutdown_timeout, "shutdown_timeout"

@@ -360,9 +360,8 @@ class OuterLoop:
 
     def snapshot(self) -> GlobalSnapshot:
         with self.lock:
-            return GlobalSnapshot(
-                self.state.outer_step, self.state.published(), "master", self.last_num_peers
-            )
+            state, included = self.state.published(), dict(self.state.ledger.included)
+            return GlobalSnapshot(self.state.outer_step, state, "master", self.last_num_peers, included)
 
     # ---- the daemon thread
 

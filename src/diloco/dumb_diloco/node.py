@@ -28,6 +28,7 @@ import torch
 
 from diloco.model import weights_sha256
 
+from .install import translate
 from .master import OuterLoop
 from .recovery import GlobalSnapshot, MasterState, delta_layout, state_layout
 from .settings import DumbDiLoCoError, Settings
@@ -128,7 +129,13 @@ class Node:
         # its own with every global and a worker refuses to join a master that started elsewhere
         self.init_sha256 = weights_sha256(model)
         self._global_layout = state_layout(state)  # what a global must look like to be installed
-        self._delta_keys = list(delta_layout(state))
+        self._delta_keys = self.delta_keys = list(delta_layout(state))
+        self.translating = settings.install == "translate"
+        # install.translate's state: the last installed global (delta keys), the newest own delta it
+        # included, and the snapshots of the deltas no installed global includes yet (by local step)
+        self.reference: dict[str, torch.Tensor] | None = None
+        self.included_step = -1
+        self.pending_snapshots: dict[int, dict[str, torch.Tensor]] = {}
         size = sum(t.nbytes for t in state.values())
         self.max_file_bytes = settings.max_file_bytes or 2 * size + 16 * 2**20
         self.state_dir = Path(settings.state_dir).expanduser() / settings.node_id
@@ -188,7 +195,8 @@ class Node:
             self._last_poll = self.clock()
             self._poll()  # 5
         self._collect_lanes()  # inline lanes (v1) are done already
-        installed = captured and self._install_staged()  # 6
+        when_staged = self.translating and self.s.install_when_staged  # mid-round: no progress is lost
+        installed = (captured or when_staged) and self._install_staged()  # 6
         stall = time.perf_counter() - t0
         self.stall_seconds += stall
         result = StepResult(installed and self.s.reset_inner_optimizer, installed)  # 7
@@ -211,7 +219,7 @@ class Node:
         """Step 3: one copy of the current weights becomes the new baseline; the job computes the
         cumulative pseudo-gradient float32(old baseline) - float32(snapshot), plus a failed upload's."""
         state = self.model.state_dict()
-        snapshot = self._free.pop() if self._free else None
+        snapshot = self._free.pop() if self._free and not self.translating else None
         if snapshot is None:
             snapshot = _Snapshot({k: torch.empty_like(state[k], device="cpu") for k in self._delta_keys})
         src, dst = [state[k].detach() for k in self._delta_keys], [snapshot[k] for k in self._delta_keys]
@@ -233,6 +241,8 @@ class Node:
             steps * self.samples_per_step,
         )
         path, delta = delta_path(self.s.node_id, local_step), carry.delta if carry is not None else None
+        if self.translating:
+            self.pending_snapshots[local_step] = snapshot  # until an installed global includes its delta
         return DeltaJob(local_step, path, meta, steps, base, snapshot, carry=delta)
 
     def _dispatch(self, job: DeltaJob) -> None:
@@ -243,7 +253,9 @@ class Node:
         t0 = time.perf_counter()
         try:
             delta, free = job.materialize()
-            if free is not None:
+            if (
+                free is not None and not self.translating
+            ):  # translating: the snapshot may still be a reference
                 self._free.append(free)  # the training thread takes it at the next capture, after this job
             blob = encode(delta, job.meta.to_header())
             self.transport.write(
@@ -267,6 +279,9 @@ class Node:
             log.info(f"node {self.s.node_id}: uploaded {job.path} ({n} bytes, {job.seconds:.2f}s)")
             return
         self.upload_failures += 1
+        self.pending_snapshots.pop(
+            job.local_step, None
+        )  # no global will include it: the next delta carries it
         job.materialize()  # already done unless the failure came before the subtraction
         self._carry = job  # one job in flight: a capture took the previous carry into this job
         log.warning(
@@ -353,13 +368,20 @@ class Node:
             self.rejected_globals += 1
             log.error("node %s: not installing: %s", self.s.node_id, err)
             return False
-        with torch.no_grad():
-            for k, t in self.model.state_dict().items():
-                t.copy_(snapshot.state[k])
-        if isinstance(self._baseline, _Snapshot):  # reusable once the job in flight (if any) is done
-            self._free.append(self._baseline)
-        self._baseline = {k: snapshot.state[k] for k in self._delta_keys}  # the snapshot is never mutated
-        self._steps_since_capture = 0
+        if self.translating and self.reference is not None:
+            translate(self, snapshot)  # install.py: the node's own progress stays on top of the global
+        else:
+            with torch.no_grad():
+                for k, t in self.model.state_dict().items():
+                    t.copy_(snapshot.state[k])
+            if (
+                isinstance(self._baseline, _Snapshot) and not self.translating
+            ):  # reusable once no job reads it
+                self._free.append(self._baseline)
+            self._baseline = {k: snapshot.state[k] for k in self._delta_keys}  # the snapshot is never mutated
+            self.reference, self.pending_snapshots = dict(self._baseline), {}
+            self.included_step = snapshot.included.get(self.s.node_id, -1)
+            self._steps_since_capture = 0
         self.installed_outer_step, self.num_peers = snapshot.outer_step, snapshot.num_peers
         self.installs += 1
         log.info("node %s: installed global outer step %d", self.s.node_id, snapshot.outer_step)

@@ -37,6 +37,7 @@ def global_files(
     keys = ("node_id", "local_step", "sha256", "base_outer_step")
     step_info = common | {"format_version": "1"} | {k: v for k, v in outer.items() if v is not None}
     step_info["deltas"] = [{k: getattr(e, k) for k in keys} for e in applied]
+    step_info["included"] = dict(sorted(state.ledger.included.items()))  # node -> newest applied local step
     files = {GLOBAL_WEIGHTS_PATH: blob, GLOBAL_STEP_PATH: json.dumps(step_info, indent=1).encode()}
     if publish_state:
         files[GLOBAL_LEDGER_PATH] = ledger_blob(common, state.ledger.to_json())

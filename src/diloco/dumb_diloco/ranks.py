@@ -53,7 +53,8 @@ class NodeRanks:
 
     def after_inner_step(self, step: int) -> dict[str, float]:
         result = self.leader.on_step(step) if self.leader is not None else None
-        boundary = step % self.s.inner_steps == 0  # installs happen only there (and at start and finish)
+        # installs happen at boundaries (and at start and finish), or at any step with install_when_staged
+        boundary = step % self.s.inner_steps == 0 or self.s.install_when_staged
         installed = boundary and self._install_from_leader(result is not None and result.installed)
         if installed and self.s.reset_inner_optimizer:
             self.optimizer.state.clear()

@@ -83,6 +83,7 @@ class GlobalSnapshot:
     state: dict[str, torch.Tensor]
     source: str = "repo"  # "repo" (downloaded) or "master" (this process's outer loop)
     num_peers: int = 0  # distinct nodes whose deltas made this version's round
+    included: dict[str, int] = field(default_factory=dict)  # node -> newest local step of its applied deltas
 
 
 # --------------------------------------------------------------------------- ledger
@@ -115,6 +116,7 @@ class Ledger:
     def __init__(self, entries: Iterable[LedgerEntry] = ()):
         self._entries: dict[tuple[str, int, str], LedgerEntry] = {}
         self._applied: dict[str, LedgerEntry] = {}  # payload SHA-256 -> the entry that applied it
+        self.included: dict[str, int] = {}  # node -> the newest local step of its applied deltas
         for e in entries:
             self.add(e)
 
@@ -128,6 +130,8 @@ class Ledger:
         self._entries.setdefault(entry.identity, entry)
         if entry.status in ("applied", "preexisting"):
             self._applied.setdefault(entry.sha256, entry)
+        if entry.status == "applied":
+            self.included[entry.node_id] = max(self.included.get(entry.node_id, -1), entry.local_step)
 
     def get(self, identity: tuple[str, int, str]) -> LedgerEntry | None:
         return self._entries.get(identity)

@@ -111,7 +111,13 @@ class GlobalReader:
             raise kind(f"global outer step {outer_step}: {err.reason}") from None
         self.step_info = info
         peers = len({d.get("node_id") for d in info.get("deltas", []) if isinstance(d, dict)})
-        return GlobalSnapshot(outer_step, tensors, source="repo", num_peers=peers)
+        included = info.get("included", {})
+        included = (
+            {str(k): v for k, v in included.items() if isinstance(v, int)}
+            if isinstance(included, dict)
+            else {}
+        )
+        return GlobalSnapshot(outer_step, tensors, source="repo", num_peers=peers, included=included)
 
     def _is_other_model(self, blob: bytes) -> bool:
         """True for a well-formed file whose keys, shapes or dtypes differ from this model's."""

@@ -192,6 +192,9 @@ class DumbDiLoCo(Node):
             "baseline": {k: t.clone() for k, t in self._baseline.items()},
             "last_uploaded": list(self.last_uploaded or ()),
         }
+        if self.translating and self.reference is not None:  # install.translate's state (references)
+            out["translate"] = {"reference": self.reference, "included_step": self.included_step}
+            out["translate"]["pending"] = {str(k): v for k, v in self.pending_snapshots.items()}
         if (c := self._carry) is not None:
             delta = {k: t.clone() for k, t in c.delta.items()}
             out["carry"] = {"delta": delta, "base_outer_step": c.meta.base_outer_step, "steps": c.steps}
@@ -225,6 +228,9 @@ class DumbDiLoCo(Node):
         self.installed_outer_step = int(r["installed_outer_step"])
         self.local_step = int(r.get("local_step", 0))
         self._steps_since_capture = int(r.get("steps_since_capture", 0))
+        if (t := r.get("translate")) and self.translating:
+            self.reference, self.included_step = dict(t["reference"]), int(t["included_step"])
+            self.pending_snapshots = {int(k): dict(v) for k, v in t["pending"].items()}
         if c := r.get("carry"):
             meta = DeltaMeta(self.s.node_id, 0, int(c["base_outer_step"]))
             self._carry = DeltaJob(0, "", meta, int(c["steps"]), delta=dict(c["delta"]))
