@@ -28,6 +28,7 @@ from diloco.schema import RetryConfig
 
 from .store import (
     FileTooLarge,
+    PermanentError,
     RemoteFile,
     RemoteNotFound,
     RevisionConflict,
@@ -228,6 +229,8 @@ class HubTransport:
                     raise RevisionConflict(f"{what}: the repository moved on ({desc})") from None
                 if final == "not_found":
                     raise RemoteNotFound(f"{what}: not found ({desc})") from None
+                if final == "fatal" and status in (401, 403):
+                    raise PermanentError(f"{what} refused: {desc} (check the token and its access)") from None
                 if final == "fatal":
                     raise TransportError(f"{what} failed: {desc}") from None
                 if status == 429:

@@ -39,6 +39,7 @@ from .recovery import (
     read_lease,
     utc_now,
 )
+from .store import why_permanent
 from .transport import Transport, TransportError
 
 log = logging.getLogger("diloco.dumb_diloco")
@@ -101,6 +102,7 @@ class OuterLoop:
         self._processed_paths: dict[str, tuple[str, int]] = {}  # path -> (node, step): processed, in the repo
         self._last_lease_write = -math.inf
         self.fenced = ""  # non-empty: another master holds the lease; this one no longer publishes
+        self.dead = ""  # non-empty: a refused token (PermanentError): the loop stopped; the node fails
         self.lock = threading.Lock()  # guards `state` against checkpointing from the training thread
         self._unpublished = False  # the last round's publication failed: retry before the next round
         self._hf_config_written = False
@@ -277,7 +279,7 @@ class OuterLoop:
                 delete = []
                 self.transport.write(files, message=message)
         except TransportError as err:
-            self._unpublished = True
+            self._unpublished, self.dead = True, self.dead or why_permanent(err)
             self.errors += 1
             log.error(f"master: publishing outer step {outer_step} failed ({err}); retrying at the next poll")
             return False
@@ -340,6 +342,7 @@ class OuterLoop:
             self.transport.write(files, message=f"{self.node_id}: {what}")
             self._wrote(files)
         except TransportError as err:
+            self.dead = self.dead or why_permanent(err)
             log.warning("master: writing %s failed (%s); will retry", what, err)
 
     def _wrote(self, files: dict[str, bytes]) -> None:
@@ -373,12 +376,12 @@ class OuterLoop:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_interval):
+        while not self._stop.wait(self.poll_interval) and not self.dead:
             self._round()
         # stop() was called: rounds until every node's final delta is processed, or drain_timeout passed
         # (a round that a transport error cut short is tried again, up to 20 polls, even past the deadline)
         self._draining, deadline, announced, failed = True, time.monotonic() + self._drain_timeout, 0.0, 0
-        while not self.fenced:
+        while not self.fenced and not self.dead:
             ok = self._round(flush=self.intake.all_finished)  # every node finished: no quorum to wait for
             failed = 0 if ok else failed + 1
             remaining = deadline - time.monotonic()
@@ -389,7 +392,7 @@ class OuterLoop:
                 log.info(f"master: waiting up to {remaining:.0f}s for the final deltas of: {left}")
             time.sleep(self.poll_interval if remaining <= 0 else min(self.poll_interval, remaining))
         for _ in range(20 if self._pending else 0):  # below the quorum at the end: apply, do not lose them
-            if self._round(flush=True) or self.fenced:
+            if self._round(flush=True) or self.fenced or self.dead:
                 break
             time.sleep(self.poll_interval)
         if self.unfinished:
@@ -404,22 +407,19 @@ class OuterLoop:
 
     def _round(self, flush: bool = False) -> bool:
         """One guarded poll; True if it went through with no transport error left to retry."""
-        if self.fenced:
+        if self.fenced or self.dead:
             return False
         try:
             self.heartbeat()
             self.run_once(flush)
-        except Exception as err:  # never let the outer loop die: log, count, try again next poll
+        except Exception as err:  # never let the outer loop die (but for a refused token): log, count, retry
             self.errors += 1
+            self.dead = self.dead or why_permanent(err)
             log.exception(
                 f"master: outer round failed ({type(err).__name__}); retrying in {self.poll_interval}s"
             )
             return False
         return not self.intake.transient and not self._unpublished
-
-    @property
-    def stopped(self) -> bool:
-        return self._stop.is_set()
 
     def stop(self, drain_timeout: float = 0.0, timeout: float | None = None) -> bool:
         """Run rounds until every node's final delta is processed (at most `drain_timeout` s; 0: one last

@@ -34,7 +34,7 @@ from .recovery import GlobalSnapshot, MasterState, delta_layout, state_layout
 from .settings import DumbDiLoCoError, Settings
 from .startup import GlobalReader
 from .tensor_format import DeltaMeta, InvalidTensorFile, delta_path, encode, parse_header, pseudo_gradient
-from .transport import HubTransport, Transport, check_commit_budget
+from .transport import HubTransport, PermanentError, RemoteNotFound, Transport, check_commit_budget
 
 log = logging.getLogger("diloco.dumb_diloco")
 
@@ -175,6 +175,8 @@ class Node:
             raise self.s.error(
                 "this node was closed; it cannot be started again" if self.closed else "not started"
             )
+        if self.outer is not None and self.outer.dead:  # a dead outer loop fails the master's run
+            raise self.s.error(f"the outer loop stopped: {self.outer.dead}")
         t0 = time.perf_counter()
         self.local_step = local_step  # 2
         self._steps_since_capture += 1
@@ -279,6 +281,7 @@ class Node:
             log.info(f"node {self.s.node_id}: uploaded {job.path} ({n} bytes, {job.seconds:.2f}s)")
             return
         self.upload_failures += 1
+        self._fail_fast(err, f"uploading {job.path}")
         self.pending_snapshots.pop(
             job.local_step, None
         )  # no global will include it: the next delta carries it
@@ -329,7 +332,13 @@ class Node:
             self._fetch_failed(err)
             return None
 
+    def _fail_fast(self, err: BaseException, what: str) -> None:
+        """A refused token or a repository gone (issue 12): the node stops with one line, not train alone."""
+        if isinstance(err, PermanentError) or (isinstance(err, RemoteNotFound) and what.startswith("upload")):
+            raise self.s.error(f"{what} failed for a reason retrying will not fix: {_describe(err)}")
+
     def _fetch_failed(self, err: BaseException) -> None:
+        self._fail_fast(err, "polling for a global")
         if isinstance(err, InvalidTensorFile):
             log.error("node %s: not installing the repository's global: %s", self.s.node_id, err.reason)
         else:

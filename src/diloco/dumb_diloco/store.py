@@ -38,6 +38,15 @@ class TransientError(TransportError):
     """A retryable failure (rate limit, 5xx, network) persisted after every retry."""
 
 
+class PermanentError(TransportError):
+    """Authentication or permission refused (HTTP 401/403): retrying will not help; a node stops."""
+
+
+def why_permanent(err: BaseException) -> str:
+    """One line if `err` is a PermanentError (the node must stop), else ""."""
+    return f"{type(err).__name__}: {err}" if isinstance(err, PermanentError) else ""
+
+
 @dataclass(frozen=True)
 class RemoteFile:
     path: str

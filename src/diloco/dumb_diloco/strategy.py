@@ -122,7 +122,7 @@ class DumbDiLoCo(Node):
     def _stop_outer(self, drain_timeout: float) -> None:
         """The master's loop: rounds until every node's final delta is processed (at most `drain_timeout`;
         0: one last round, as `close` after a failure does), then stop. Idempotent."""
-        if self.outer is not None and not self.outer.stopped:
+        if self.outer is not None and not self.outer._stop.is_set():  # idempotent
             if not self.outer.stop(drain_timeout, self.s.shutdown_timeout):
                 log.warning("master: the outer loop was still running after the shutdown timeout; leaving it")
             self.outer.save_state()

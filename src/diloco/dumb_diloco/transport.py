@@ -14,6 +14,7 @@ from .directory import DirectoryTransport, write_atomic
 from .hub import HUB_REPO_ID_RE, HubTransport, RetryPolicy, check_commit_budget, deadline, time_left
 from .store import (
     FileTooLarge,
+    PermanentError,
     RemoteFile,
     RemoteNotFound,
     RevisionConflict,
@@ -27,6 +28,7 @@ __all__ = [
     "DirectoryTransport",
     "FileTooLarge",
     "HubTransport",
+    "PermanentError",
     "RemoteFile",
     "RemoteNotFound",
     "RetryPolicy",
