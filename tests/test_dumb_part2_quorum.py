@@ -53,6 +53,16 @@ def test_quorum_waits_for_n_deltas_then_takes_one_equal_weight_step(tmp_path):
     assert loop.pending == 0 and loop.state.ledger.count("applied") == 3
 
 
+def test_the_quorum_counts_distinct_nodes_not_deltas(tmp_path):
+    loop, repo = make_loop(tmp_path, min_deltas_per_round=2)
+    put_delta(repo, "fast", 5, g(1.0))
+    put_delta(repo, "fast", 10, g(2.0))
+    assert loop.run_once().applied == [] and loop.pending == 2  # two deltas, one node: no quorum of 2
+    put_delta(repo, "slow", 5, g(3.0))
+    r = loop.run_once()
+    assert sorted((e.node_id, e.local_step) for e in r.applied) == [("fast", 5), ("fast", 10), ("slow", 5)]
+
+
 def test_quorum_zero_is_the_spec_one_step_per_poll_with_a_delta(tmp_path):
     loop, repo = make_loop(tmp_path)
     put_delta(repo, "a", 5, g(1.0))

@@ -224,12 +224,13 @@ class OuterLoop:
         return max(0, self.state.outer_step - base_outer_step) if base_outer_step >= 0 else -1
 
     def _take_round(self, flush: bool) -> list[tuple[Candidate, dict[str, torch.Tensor]]]:
-        """The deltas of this round: every pending one once the quorum is met (or on `flush`), else none."""
-        quorum = max(1, self.min_deltas_per_round)
-        if not self._pending or (len(self._pending) < quorum and not flush):
+        """The deltas of this round: every pending one once deltas of `min_deltas_per_round` distinct nodes
+        are pending (one fast node's two deltas do not make a quorum of two), or on `flush`; else none."""
+        quorum, nodes = max(1, self.min_deltas_per_round), len({c.node_id for c, _ in self._pending.values()})
+        if not self._pending or (nodes < quorum and not flush):
             if self._pending:
                 log.info(
-                    f"master: {self.pending} delta(s) pending, waiting for {quorum} (min_deltas_per_round)"
+                    f"master: {self.pending} delta(s) of {nodes} node(s) pending, waiting for {quorum} nodes"
                 )
             return []
         valid = list(self._pending.values())
