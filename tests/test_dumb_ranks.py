@@ -290,3 +290,42 @@ def test_killing_one_rank_stops_the_node_and_a_restart_resumes_exactly(tmp_path)
             decode((tmp_path / n / path).read_bytes(), max_bytes=2**24)[0] for n in ("whole", "killed")
         )
         assert all(torch.equal(want[k], got[k]) for k in want), step
+
+
+def ranks_that_disagree(repo: str, state_dir: str) -> str:
+    """A node whose rank 1's weights drift from rank 0's (a bug, a bit flip): the check names it."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from diloco.distributed import DataParallel, DistContext, DistributedError
+    from diloco.dumb_diloco.ranks import NodeRanks
+    from diloco.dumb_diloco.strategy import DumbDiLoCo
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ctx = DistContext(rank, 2, rank, ranks_per_worker=2)
+    model = Net()
+    s = node_settings(repo, state_dir)
+    leader = DumbDiLoCo(model, s) if rank == 0 else None
+    strategy = NodeRanks(ctx, model, None, DataParallel(OmegaConf.create({}), ctx, model), leader, s, 1)
+    strategy.start()
+    if rank == 1:
+        with torch.no_grad():
+            model.fc1.bias.add_(1e-3)
+    try:
+        strategy._check_same_weights("at the end")
+    except DistributedError as err:
+        return str(err)
+    finally:
+        strategy.close()
+    return ""
+
+
+@pytest.mark.slow
+def test_a_node_whose_ranks_disagree_stops_with_one_line(tmp_path):
+    repo = start_repo(tmp_path / "repo")
+    errors = run_ranks("test_dumb_ranks:ranks_that_disagree", 2, repo=repo, state_dir=str(tmp_path / "state"))
+    assert errors == ["node n: the weights of ranks [1] differ from rank 0's at the end (SHA-256)"] * 2
