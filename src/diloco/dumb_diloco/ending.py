@@ -31,16 +31,19 @@ log = logging.getLogger("diloco.dumb_diloco")
 def announce(node: Node) -> None:
     """A node (re)starting: "running" in its marker, so that the master waits for it at the end (even
     before its first delta) and an earlier run's "finished" no longer counts."""
-    marker = {"node_id": node.s.node_id, "state": "running", "created_at": utc_now()}
+    _write_marker(node, {"state": "running"}, "running", "the master may not wait for it at the end")
+
+
+def _write_marker(node: Node, fields: dict, what: str, otherwise: str) -> None:
+    """nodes/<node_id>/final.json with `fields`; a failed write is logged (`otherwise`: what follows)."""
+    marker = {"node_id": node.s.node_id} | fields | {"created_at": utc_now()}
+    path = final_marker_path(node.s.node_id)
     try:
         node.transport.write(
-            {final_marker_path(node.s.node_id): json.dumps(marker, indent=1).encode()},
-            message=f"{node.s.node_id}: running",
+            {path: json.dumps(marker, indent=1).encode()}, message=f"{node.s.node_id}: {what}"
         )
     except TransportError as err:
-        log.warning(
-            f"node {node.s.node_id}: cannot announce itself in {final_marker_path(node.s.node_id)} ({err})"
-        )
+        log.warning(f"node {node.s.node_id}: writing {path} ({what}) failed ({err}); {otherwise}")
 
 
 def send_final(node: Node, deadline: float) -> None:
@@ -55,24 +58,12 @@ def send_final(node: Node, deadline: float) -> None:
         if not wait_upload(node, deadline):
             return
     step, sha = node.last_uploaded or (-1, "")
-    marker = {
-        "node_id": node.s.node_id,
-        "state": "finished",
-        "last_local_step": step,
-        "last_delta_sha256": sha,
-    }
-    marker |= {"local_step": node.local_step, "uploads": node.uploads, "created_at": utc_now()}
+    marker = {"state": "finished", "last_local_step": step, "last_delta_sha256": sha}
+    marker |= {"local_step": node.local_step, "uploads": node.uploads}
     if node._carry is not None:
         marker["steps_never_uploaded"] = node._carry.steps
-    try:
-        node.transport.write(
-            {final_marker_path(node.s.node_id): json.dumps(marker, indent=1).encode()},
-            message=f"{node.s.node_id}: final marker (last delta at local step {step})",
-        )
-    except TransportError as err:
-        log.warning(
-            f"node {node.s.node_id}: writing the final marker failed ({err}); the master waits for it"
-        )
+    what = f"final marker (last delta at local step {step})"
+    _write_marker(node, marker, what, "the master waits for it until drain_timeout")
 
 
 def wait_upload(node: Node, deadline: float) -> bool:
