@@ -59,8 +59,8 @@ def test_a_master_whose_outer_loop_met_a_refused_token_fails_its_run(tmp_path):
     s = settings(tmp_path / "repo", role="master", node_id="m", poll_interval=0.01)
     coord = DumbDiLoCo(Tiny(), s, repo)
     coord.start()
-    put_delta(repo, "w", 3, g(1.0))
-    repo.refuse = True  # the publication of that round is refused
+    repo.refuse = True  # the publication of the round with w's delta is refused
+    put_delta(repo.inner, "w", 3, g(1.0))
     deadline = time.monotonic() + 60
     while not coord.outer.dead:
         assert time.monotonic() < deadline, "the outer loop went on"

@@ -302,8 +302,11 @@ class StopAgreement:
         if self._pending is None:
             return False
         work, flag = self._pending
-        work.wait()
         self._pending = None
+        try:
+            work.wait()
+        except RuntimeError as err:  # a peer rank died: one readable line, not a gloo traceback
+            raise DistributedError(f"a peer rank is gone ({str(err).splitlines()[0][:200]})") from None
         return bool(flag.item())
 
 
