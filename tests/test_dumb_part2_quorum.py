@@ -205,6 +205,22 @@ def test_delayed_nesterov_with_period_1_is_torch_nesterov(tmp_path):
     assert torch.allclose(loop.state.weights["w"], p, atol=1e-6)
 
 
+def test_delayed_nesterov_counts_the_deltas_of_a_quorum_round(tmp_path):
+    """Issue 12: the period counts deltas. Rounds of 2 deltas (quorum 2) with period 2 refresh the momentum
+    every round: torch's SGD-Nesterov on the round means (before, every 2nd round)."""
+    loop, repo = make_loop(tmp_path, min_deltas_per_round=2, delayed_nesterov_period=2)
+    p = W0.clone()
+    opt = torch.optim.SGD([p], lr=LR, momentum=MU, nesterov=True)
+    for step, (x, y) in enumerate(((1.0, 3.0), (-0.5, 0.5), (2.0, 1.5)), start=1):
+        put_delta(repo, "a", step, g(x))
+        put_delta(repo, "b", step, g(y))
+        assert len(loop.run_once().applied) == 2
+        p.grad = torch.full((2, 2), (x + y) / 2)
+        opt.step()
+        assert torch.allclose(loop.state.weights["w"], p, atol=1e-6)
+    assert loop.state.delayed_count == 0
+
+
 def test_config_switches_reach_the_outer_loop(tmp_path):
     s = settings(
         tmp_path / "repo",

@@ -63,3 +63,32 @@ def test_state_round_trip_resumes_exactly():
         opt_b.step([x.clone() for x in g])
     for x, y in zip(a, b_params):
         assert torch.equal(x, y)
+
+
+def test_delayed_nesterov_counts_deltas_not_steps():
+    """A step that is the mean of n deltas counts n toward the period: rounds of 4 deltas with period 4
+    refresh the momentum every round, i.e. torch's SGD-Nesterov on the round means (issue 12; before, the
+    period counted steps, so the momentum refreshed every 4th round)."""
+    ours, ref = _tensors(3), _tensors(3)
+    opt = OuterOptimizer(ours, lr=0.5, momentum=0.8, delay_period=4)
+    sgd = torch.optim.SGD(ref, lr=0.5, momentum=0.8, nesterov=True)
+    for t in range(5):
+        mean = _tensors(400 + t)
+        opt.step(mean, deltas=4)
+        for p, g in zip(ref, mean):
+            p.grad = g.clone()
+        sgd.step()
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_delayed_nesterov_refreshes_from_the_mean_per_delta_when_a_round_overshoots():
+    lr, mu = 0.5, 0.8
+    ours = _tensors(4, n=1)
+    theta, g1, g2 = ours[0].clone(), _tensors(500, n=1)[0], _tensors(501, n=1)[0]
+    opt = OuterOptimizer(ours, lr=lr, momentum=mu, delay_period=4)
+    opt.step([g1], deltas=3)  # k = 3 < 4: plain SGD
+    opt.step([g2], deltas=3)  # k = 6 >= 4: m = (3 g1 + 3 g2) / 6
+    m = (3 * g1 + 3 * g2) / 6
+    torch.testing.assert_close(ours[0], theta - lr * g1 - lr * (g2 + mu * m), rtol=1e-6, atol=1e-6)
+    assert opt.delayed_sums()[1] == 0

@@ -4,13 +4,16 @@ weights are stepped in place by `torch.optim.SGD(nesterov=True)` with the averag
 their gradient. The two strategies differ only in how that average is formed (a collective, a store).
 
 `delay_period > 1` is delayed Nesterov (Liu et al., Asynchronous Local-SGD, arXiv 2401.09135, Sec. 3.2),
-for the asynchronous master: the momentum changes only every `delay_period`-th step, from the mean of
-the pseudo-gradients since its last change; in between each step is plain SGD on its own gradient g:
+for the asynchronous master: the momentum changes only once `delay_period` pseudo-gradients (deltas, not
+outer steps) have arrived since its last change, from their mean; in between each step is plain SGD. A
+step whose gradient g is the mean of n deltas (a quorum round) counts n:
 
-    every step:      a <- a + g,  k <- k + 1
+    every step:      a <- a + n * g,  k <- k + n
     k < period:      theta <- theta - lr * g
-    k == period:     m <- mu * m + a / period;  theta <- theta - lr * (g + mu * m);  a <- 0, k <- 0
+    k >= period:     m <- mu * m + a / k;  theta <- theta - lr * (g + mu * m);  a <- 0, k <- 0
 
+So with 4 nodes, rounds of 4 deltas and period 4 the momentum refreshes every round, as in synchronous
+DiLoCo; with one delta per step, every 4th step (the paper's setting, period = number of workers).
 With period 1 this is exactly torch's SGD with nesterov=True (a test).
 """
 
@@ -42,8 +45,9 @@ class OuterOptimizer:
         self._count = 0  # delayed Nesterov's k
 
     @torch.no_grad()
-    def step(self, pseudo_grads: list[torch.Tensor | None]) -> None:
-        """theta <- theta - lr * nesterov(pseudo_grad), in place; None skips a tensor."""
+    def step(self, pseudo_grads: list[torch.Tensor | None], deltas: int = 1) -> None:
+        """theta <- theta - lr * nesterov(pseudo_grad), in place; None skips a tensor. `deltas`: how many
+        pseudo-gradients `pseudo_grads` is the mean of (delayed Nesterov's period counts them)."""
         if self.delay_period == 1:
             for p, g in zip(self.params, pseudo_grads, strict=True):
                 p.grad = g
@@ -51,10 +55,12 @@ class OuterOptimizer:
             for p in self.params:
                 p.grad = None
             return
-        self._count += 1
+        if deltas < 1:
+            raise ValueError(f"deltas must be >= 1, got {deltas}")
+        self._count += deltas
         for i, g in enumerate(pseudo_grads):
             if g is not None:
-                self._sum[i] = g.clone() if self._sum[i] is None else self._sum[i].add_(g)
+                self._sum[i] = g * deltas if self._sum[i] is None else self._sum[i].add_(g, alpha=deltas)
         if self._count < self.delay_period:
             for p, g in zip(self.params, pseudo_grads, strict=True):
                 if g is not None:
@@ -66,7 +72,7 @@ class OuterOptimizer:
             state = self.sgd.state[p]
             m = state.get("momentum_buffer")
             m = torch.zeros_like(g) if m is None else m
-            state["momentum_buffer"] = m.mul_(self.momentum).add_(self._sum[i], alpha=1.0 / self.delay_period)
+            state["momentum_buffer"] = m.mul_(self.momentum).add_(self._sum[i], alpha=1.0 / self._count)
             p.sub_(g + self.momentum * m, alpha=self.lr)
         self._sum = [None] * len(self.params)
         self._count = 0

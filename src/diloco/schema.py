@@ -213,7 +213,7 @@ class DumbDiLoCoConfig:
     min_deltas_per_round: int = 0  # master quorum: 0 = the spec (each poll with >= 1 delta steps)
     staleness_weighting: bool = False  # weight each delta by 1/(1+staleness), normalised
     delayed_nesterov: bool = False  # delayed Nesterov (arXiv 2401.09135)
-    delayed_nesterov_period: int = 4
+    delayed_nesterov_period: int = 4  # momentum refreshed once per this many deltas (about the node count)
     publish_master_state: bool = True  # publish ledger.json and outer momentum with the global
     keep_deltas: int = 0  # master: keep the N newest processed deltas per node (0 = never delete)
     lease_seconds: float = 300  # single-master lease (0 = the spec: no lease)

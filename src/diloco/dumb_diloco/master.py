@@ -181,9 +181,8 @@ class OuterLoop:
                     staleness = self._staleness(c.meta.base_outer_step)
                     result.applied.append(c.entry("applied", self.state.outer_step + 1, staleness=staleness))
                     ledger.add(result.applied[-1])
-                self.state.apply_outer_step(  # 6
-                    mean, self.outer_lr, self.outer_momentum, max(1, self.delayed_nesterov_period)
-                )
+                period = max(1, self.delayed_nesterov_period)  # counted in deltas (arXiv 2401.09135)
+                self.state.apply_outer_step(mean, self.outer_lr, self.outer_momentum, period, len(valid))  # 6
                 self.state.outer_step += 1
                 result.outer_step = self.state.outer_step
                 self.deltas_accepted += len(valid)

@@ -190,10 +190,15 @@ class MasterState:
         }
 
     def apply_outer_step(
-        self, pseudo_grad: dict[str, torch.Tensor], lr: float, momentum: float, delay_period: int = 1
+        self,
+        pseudo_grad: dict[str, torch.Tensor],
+        lr: float,
+        momentum: float,
+        delay_period: int = 1,
+        deltas: int = 1,
     ) -> None:
         """Step 6: `diloco.outer.OuterOptimizer` (torch's SGD-Nesterov; delayed Nesterov for a period > 1)
-        on the float32 weights with `pseudo_grad` as their gradient. A fresh optimizer each round loads and
+        on the float32 weights with `pseudo_grad`, the mean of `deltas` deltas, as their gradient. A fresh optimizer each round loads and
         returns its buffers by name, so the state lives in one serialisable place (outer_step: the caller)."""
         names = list(pseudo_grad)
         opt = OuterOptimizer(
@@ -202,7 +207,7 @@ class MasterState:
         opt.load_buffers(
             [self.momentum.get(n) for n in names], [self.delayed.get(n) for n in names], self.delayed_count
         )
-        opt.step([pseudo_grad[n] for n in names])
+        opt.step([pseudo_grad[n] for n in names], deltas)
         sums, self.delayed_count = opt.delayed_sums()
         self.momentum = {n: m for n, m in zip(names, opt.momentum_buffers()) if m is not None}
         self.delayed = {n: s for n, s in zip(names, sums) if s is not None}
