@@ -138,6 +138,7 @@ def test_staleness_is_recorded_for_every_delta(tmp_path):
         ("b", 5): ("applied", 1),
         ("c", 5): ("rejected", 1),
     }
+    assert sorted(loop.last_staleness) == [0, 1]  # the last round's, per applied delta, for the metrics
 
 
 # ------------------------------------------------------------------ staleness weighting

@@ -114,7 +114,7 @@ class OuterLoop:
         # metrics (read by the training thread)
         self.rounds = self.deltas_accepted = self.deltas_rejected = self.last_num_peers = self.errors = 0
         self.bytes_uploaded = 0
-        self.last_pseudo_grad_norm = 0.0
+        self.last_pseudo_grad_norm, self.last_staleness = 0.0, []  # the last round's; staleness per delta
 
     # ---- one poll: the ten steps
 
@@ -188,6 +188,7 @@ class OuterLoop:
                 self.deltas_accepted += len(valid)
                 self.rounds += 1
                 self.last_num_peers, self.last_pseudo_grad_norm = result.num_peers, result.pseudo_grad_norm
+                self.last_staleness = [e.staleness for e in result.applied]
         self._processed_paths |= {c.path: (c.node_id, c.local_step) for c, _ in valid}
         if valid:
             result.published = self.publish(result.applied)  # 7 + 8
