@@ -17,6 +17,14 @@ Printed and written to results/bench/install_sim.{json,md}: the held-out perplex
 
     python scripts/dumb_diloco_install_sim.py                  # 2 seeds x 400 steps: ~6 min on 2 cores
     python scripts/dumb_diloco_install_sim.py --steps 2000      # the issue's longer horizon
+    python scripts/dumb_diloco_install_sim.py --regime paper    # the paper configs' regime (below)
+
+`--regime paper` (the 150M config's 8 nodes and the paper's outer lr 0.7, Nesterov 0.9) asks whether the
+paper-scale DumbDiLoCo configs converge: `sync`; `spec@per-delta`, the specification (replace at the
+boundary, quorum 0), where boundaries 10-60 minutes apart and a 60 s poll make every delta its own outer
+step at the full outer lr (emulated: a master round after each node's upload); `translate@+5,per-delta`,
+the same one-step-per-delta rounds with translate; `translate@+5,quorum`, what the configs use: a quorum
+of every node and translate as soon as staged.
 """
 
 from __future__ import annotations
@@ -46,24 +54,35 @@ from diloco.model import build_model
 from diloco.train import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
-NODES, H, OUTER_LR, OUTER_MU = 4, 10, 0.5, 0.8
-MODES = {  # name: (install, delay after the round in steps; None: at the node's next boundary)
-    "sync": ("translate", 0),
-    "replace@boundary": ("replace", None),
-    "translate@boundary": ("translate", None),
-    "translate@+5": ("translate", 5),
-    "translate@+3": ("translate", 3),
-}
+H = 10
+REGIMES = {  # name: nodes, outer lr, outer momentum, modes
+    "tiny": (4, 0.5, 0.8, {  # mode: (install, delay after the round in steps (None: the node's next boundary), quorum)
+        "sync": ("translate", 0, True),
+        "replace@boundary": ("replace", None, True),
+        "translate@boundary": ("translate", None, True),
+        "translate@+5": ("translate", 5, True),
+        "translate@+3": ("translate", 3, True),
+    }),
+    "paper": (8, 0.7, 0.9, {  # quorum False: a round after each node's upload (each delta its own step)
+        "sync": ("translate", 0, True),
+        "spec@per-delta": ("replace", None, False),
+        "translate@+5,per-delta": ("translate", 5, False),
+        "translate@+5,quorum": ("translate", 5, True),
+    }),
+}  # fmt: skip
+NODES, OUTER_LR, OUTER_MU, MODES = REGIMES["tiny"]
 
 
-def run(cfg, tokenizer, batches, steps: int, seed: int, install: str, delay: int | None) -> float:
+def run(
+    cfg, tokenizer, batches, steps: int, seed: int, install: str, delay: int | None, quorum: bool = True
+) -> float:
     root = Path(tempfile.mkdtemp())
     repo = DirectoryTransport(root / "repo")
     init = build_model(cfg.model, seed=seed)
     outer = OuterLoop(
         repo, MasterState.from_model_state(init.state_dict()), node_id="master", outer_lr=OUTER_LR,
         outer_momentum=OUTER_MU, poll_interval=1e9, state_dir=None, max_file_bytes=2**30,
-        min_deltas_per_round=NODES,
+        min_deltas_per_round=NODES if quorum else 0,
     )  # fmt: skip
     outer.publish()
     nodes = []
@@ -94,7 +113,11 @@ def run(cfg, tokenizer, batches, steps: int, seed: int, install: str, delay: int
             sched.step()
             opt.zero_grad(set_to_none=True)
             coord.on_step(step)  # at a boundary: upload, poll the repository, install what is staged
-        if step % H == 0:
+            if step % H == 0 and not quorum:  # one outer step per delta, as it arrives
+                outer.run_once()
+                if delay is not None:
+                    due.append((step + delay, outer.snapshot()))
+        if step % H == 0 and quorum:
             outer.run_once()
             if delay == 0:  # synchronous: every node installs the round at once
                 for _, coord, *_ in nodes:
@@ -113,7 +136,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--out", default=str(ROOT / "results" / "bench"))
+    ap.add_argument("--regime", choices=REGIMES, default="tiny")
     args = ap.parse_args()
+    global NODES, OUTER_LR, OUTER_MU, MODES
+    NODES, OUTER_LR, OUTER_MU, MODES = REGIMES[args.regime]
     torch.set_num_threads(1)
     logging.disable(logging.WARNING)
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
@@ -121,8 +147,10 @@ def main() -> None:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     batches = eval_batches(cfg.data, tokenizer, 8192, 4)  # the held-out split, never trained on
     t0, rows = time.time(), {}
-    for name, (install, delay) in MODES.items():
-        ppl = [math.exp(run(cfg, tokenizer, batches, args.steps, s, install, delay)) for s in args.seeds]
+    for name, (install, delay, quorum) in MODES.items():
+        ppl = [
+            math.exp(run(cfg, tokenizer, batches, args.steps, s, install, delay, quorum)) for s in args.seeds
+        ]
         rows[name] = {"ppl": ppl, "mean": sum(ppl) / len(ppl), "spread": max(ppl) - min(ppl)}
         print(f"{name}: {[round(p, 2) for p in ppl]}", flush=True)
     sync = rows["sync"]["mean"]
@@ -133,19 +161,21 @@ def main() -> None:
         subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
     )
     record = {
-        "command": f"python scripts/dumb_diloco_install_sim.py --steps {args.steps} --seeds {' '.join(map(str, args.seeds))}",
+        "command": f"python scripts/dumb_diloco_install_sim.py --steps {args.steps} --seeds {' '.join(map(str, args.seeds))}"
+        + ("" if args.regime == "tiny" else f" --regime {args.regime}"),
         "commit": commit, "dirty": dirty, "machine": f"{platform.node()} {platform.machine()}, {torch.get_num_threads()} thread",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(time.time() - t0),
-        "setup": {"nodes": NODES, "H": H, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MU, "quorum": NODES,
+        "setup": {"regime": args.regime, "nodes": NODES, "H": H, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MU,
                   "steps": args.steps, "seeds": args.seeds, "model": "micro", "data": "sample (4 shards), held-out eval"},
         "results": {k: v | {"vs_sync": v["mean"] / sync - 1} for k, v in rows.items()},
     }  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"install_sim_{args.steps}"
+    name = f"install_sim_{args.steps}" + ("" if args.regime == "tiny" else f"_{args.regime}")
     (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
     lines = [
-        f"# DumbDiLoCo install modes, {args.steps} steps, seeds {args.seeds}",
+        f"# DumbDiLoCo install modes, {args.steps} steps, seeds {args.seeds}, {NODES} nodes, outer lr {OUTER_LR}, "
+        f"Nesterov {OUTER_MU}",
         "",
         f"`{record['command']}` at {commit[:10]}{' (dirty)' if dirty else ''}, {record['date']}, {record['seconds']} s.",
         "",
