@@ -3,10 +3,14 @@ staleness weighting and delayed Nesterov, each against an update worked out by h
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
-from dumb_helpers import B0, LR, MU, W0, Tiny, g, put_delta, settings
+from dumb_helpers import B0, LR, MU, W0, Spy, Tiny, g, put_delta, settings
 
+from diloco.dumb_diloco.intake import final_marker_path
 from diloco.dumb_diloco.master import OuterLoop
 from diloco.dumb_diloco.recovery import MasterState
 from diloco.dumb_diloco.settings import Settings
@@ -250,3 +254,26 @@ def test_config_switches_reach_the_outer_loop(tmp_path):
         assert off.outer.delayed_nesterov_period == 0 and not off.outer.staleness_weighting  # the spec's
     finally:
         off.close()
+
+
+def test_a_master_with_a_quorum_trains_once_the_quorum_s_nodes_have_announced(tmp_path):
+    """Issue 12: a master needs no first global, so without this wait it starts a few seconds before
+    its workers and its deltas stay a round ahead of theirs for the whole run."""
+    repo = DirectoryTransport(tmp_path / "repo")
+    spy = Spy(repo)
+    s = settings(tmp_path / "repo", role="master", node_id="m", min_deltas_per_round=2, poll_interval=0.05)
+    s.startup_timeout = 60.0
+    coord = DumbDiLoCo(Tiny(), s, spy)
+    started = threading.Thread(target=coord.start, daemon=True)
+    started.start()
+    try:
+        deadline = time.monotonic() + 30
+        while spy.count("list", "nodes") < 3 and time.monotonic() < deadline:  # it has looked, and waits
+            time.sleep(0.01)
+        assert spy.count("list", "nodes") >= 3 and started.is_alive() and not coord.started
+        repo.write({final_marker_path("w1"): b'{"node_id": "w1", "state": "running"}'})
+        started.join(30)
+        assert not started.is_alive() and coord.started
+    finally:
+        started.join(30)
+        coord.close()

@@ -434,7 +434,9 @@ class Node:
                 "outer/deltas_rejected": o.deltas_rejected,
                 "outer/pseudo_grad_norm": o.last_pseudo_grad_norm,
                 "outer/pending_deltas": o.pending,
-                "outer/staleness_max": max(o.last_staleness, default=0),  # outer steps since each delta's base
+                "outer/staleness_max": max(
+                    o.last_staleness, default=0
+                ),  # outer steps since each delta's base
                 "outer/staleness_mean": sum(o.last_staleness) / max(len(o.last_staleness), 1),
             }
         return m

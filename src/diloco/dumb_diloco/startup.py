@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .intake import FINAL_MARKER
 from .master import OuterLoop
 from .publication import lease_blob
 from .recovery import (
@@ -33,7 +34,14 @@ from .recovery import (
     recover,
 )
 from .settings import DumbDiLoCoError
-from .tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, InvalidTensorFile, decode, parse_header
+from .tensor_format import (
+    GLOBAL_STEP_PATH,
+    GLOBAL_WEIGHTS_PATH,
+    NODES_DIR,
+    InvalidTensorFile,
+    decode,
+    parse_header,
+)
 from .transport import (
     RemoteNotFound,
     RevisionConflict,
@@ -291,6 +299,36 @@ def start_master(node: DumbDiLoCo) -> None:
     node.outer.save_state()
     node.stage(node.outer.snapshot())
     node.outer.start()
+
+
+def await_quorum(node: DumbDiLoCo) -> None:
+    """Past the spec: a master starting a run with a quorum of N nodes trains only once N nodes (itself
+    included) have announced themselves (nodes/<id>/final.json), at most until the start-up deadline.
+    Without it the master, which needs no first global, starts a few seconds early and its deltas stay
+    a round ahead of everyone else's for the whole run (tiny family: 3 s of start-up is a whole round)."""
+    s = node.s
+    if not s.is_master or s.min_deltas_per_round <= 1 or node.outer.state.outer_step > 0:
+        return
+    allowed = set(s.collaborators) | {s.node_id} if s.collaborators else None
+    while True:
+        try:
+            files = node.transport.list(NODES_DIR, node.transport.revision())
+        except TransportError:
+            files = []
+        running = {p[1] for f in files if len(p := f.path.split("/")) == 3 and p[2] == FINAL_MARKER}
+        running = (running if allowed is None else running & allowed) | {s.node_id}
+        if len(running) >= s.min_deltas_per_round:
+            log.info(
+                f"master: {len(running)} node(s) running, the quorum of {s.min_deltas_per_round}: starting"
+            )
+            return
+        left = time_left()
+        if left is not None and left < s.poll_interval + 5:
+            log.warning(
+                f"master: starting with {len(running)} of the quorum's {s.min_deltas_per_round} nodes running"
+            )
+            return
+        time.sleep(s.poll_interval)
 
 
 def mark_existing_as_processed(outer: OuterLoop) -> int:

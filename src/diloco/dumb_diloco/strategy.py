@@ -22,7 +22,7 @@ from .ending import announce, await_final_status, send_final, wait_upload
 from .node import _COUNTERS, DeltaJob, Node, _Inline
 from .recovery import MasterState
 from .settings import Settings
-from .startup import connect, start_master
+from .startup import await_quorum, connect, start_master
 from .tensor_format import DeltaMeta
 from .transport import deadline
 
@@ -145,6 +145,8 @@ class DumbDiLoCo(Node):
             elif (newer := self._safe_fetch()) is not None:
                 self.stage(newer)
             announce(self)  # the master waits for this node at its end
+            if self._resume is None:
+                await_quorum(self)  # a master with a quorum: not a round ahead of the others
             if self._resume is not None:
                 at_boundary = not (self._resume.get("steps_since_capture") or self._resume.get("carry"))
                 self._resume_inner_loop()
