@@ -7,7 +7,9 @@
 Communication volume is analytic and counts the payload each worker puts on the wire per collective
 (what `comm/total_bytes` measures): DDP all-reduces every gradient every step; DiLoCo all-reduces the
 pseudo-gradient once every H steps in its wire dtype; a DumbDiLoCo node uploads one float32 delta per
-boundary and downloads one float32 global model per outer step.
+boundary and downloads one float32 global model per outer step. The commit budget of a DumbDiLoCo
+run (commits per hour to its repository, by writer: dumb_diloco/budget.py) is printed too; a Hub run
+over the Hub's limit is refused.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def check_run(overrides: list[str]) -> str | None:
     (the same `validate`, and the batch split over the ranks the launch gives each worker); returns
     the trainer's notice about the schedule, if any. Raises PlanError with the trainer's line."""
     from diloco.config import ConfigError, check_batch_split, schedule_notice, validate
+    from diloco.dumb_diloco.budget import config_budget, on_hub
 
     cfg = compose_overrides(overrides)
     topo = topology(cfg)
@@ -74,7 +77,12 @@ def check_run(overrides: list[str]) -> str | None:
         )
     except ConfigError as e:
         raise PlanError(str(e)) from None
-    return schedule_notice(cfg)
+    budget = config_budget(cfg) if topo["mode"] == "dumb_diloco" else None
+    verdict = budget.verdict() if budget is not None else None
+    notes = [
+        n for n in (schedule_notice(cfg), verdict and on_hub(cfg.distributed.repo_id) and verdict[1]) if n
+    ]
+    return "; ".join(notes) or None
 
 
 def num_parameters(model_cfg) -> int:
@@ -138,6 +146,22 @@ def shell_vars(name: str, overrides: list[str]) -> str:
     return "\n".join(f"{k}={shlex.quote(str(v))}" for k, v in out.items())
 
 
+def commit_budget_line(cfg: DictConfig) -> str:
+    """The Hub commit budget of a DumbDiLoCo config, as one line (a warning appended above 100/hour);
+    PlanError for a Hub repository (or none given yet) over the Hub's limit."""
+    from diloco.dumb_diloco.budget import config_budget, on_hub
+
+    budget = config_budget(cfg)
+    if budget is None:
+        return "Hub commits/hour/repo: unknown (set distributed.expected_step_seconds)"
+    verdict = budget.verdict()
+    if not on_hub(OmegaConf.select(cfg, "distributed.repo_id", default=None)):
+        return budget.line() + " (a shared directory: no limit)"
+    if verdict and verdict[0] == "refuse":
+        raise PlanError(f"{cfg.run_name}: {verdict[1]}")
+    return budget.line() + (f"\n   warning: {verdict[1]}" if verdict else "")
+
+
 def _si(x: float, unit: str) -> str:
     for div, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if x >= div:
@@ -159,6 +183,7 @@ def describe(name: str) -> str:
         f"{_si(vol['bytes_per_worker'], 'B')} over the run",
     ]
     if topo["mode"] == "dumb_diloco":
+        lines.append("   " + commit_budget_line(cfg))
         lines.append(
             "   on each node i: scripts/launch_node.sh --experiment "
             + name

@@ -15,6 +15,7 @@ import traceback
 import pytest
 import torch
 
+from diloco.dumb_diloco.budget import commit_budget
 from diloco.dumb_diloco.tensor_format import InvalidTensorFile, encode
 from diloco.dumb_diloco.transport import (
     DirectoryTransport,
@@ -27,7 +28,6 @@ from diloco.dumb_diloco.transport import (
     TransientError,
     Transport,
     TransportError,
-    check_commit_budget,
     open_transport,
 )
 
@@ -295,11 +295,11 @@ def test_network_guard_refuses_the_outside_world():
         socket.create_connection(("192.0.2.1", 443), timeout=1)
 
 
-def test_check_commit_budget():
-    warning = check_commit_budget(8, 180)
-    assert warning is not None and "160" in warning and "128" in warning
-    assert check_commit_budget(8, 300) is None
-    assert check_commit_budget(1, 10, limit_per_hour=400) is None
+def test_commit_budget():  # the whole budget: tests/test_dumb_budget.py
+    level, line = commit_budget(8, 60, 3.0, quorum=8).verdict()  # 8 nodes every 180 s: 160 uploads
+    assert level == "refuse" and "uploads 160" in line and "128" in line
+    assert commit_budget(8, 100, 3.0, quorum=8, lease_seconds=2400).verdict()[0] == "warn"  # 96 + 12 rounds
+    assert commit_budget(8, 200, 3.0, quorum=8, lease_seconds=2400).verdict() is None  # 48 + 6 rounds
 
 
 # ============================================================== Hub through the real client

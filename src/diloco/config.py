@@ -325,6 +325,7 @@ def check_dumb_diloco(d: Any) -> None:
     _number(d, "delayed_nesterov_period", p, 1, strict=False, integer=True)
     _number(d, "keep_deltas", p, 0, strict=False, integer=True)
     _number(d, "lease_seconds", p, 0, strict=False)
+    _number(d, "expected_step_seconds", p, 0, strict=False)
     _number(d, "timeout_seconds", p, 0)
     _one_of(d, "install", p, ("replace", "translate"))
     if d.install_when_staged and d.install != "translate":
@@ -399,6 +400,20 @@ def validate(cfg: DictConfig) -> None:
         )
     if d.mode == "diloco":
         _check_evaluated_steps_are_boundaries(c.train, d.inner_steps)
+    if d.mode == "dumb_diloco":
+        _check_commit_budget(cfg)
+
+
+def _check_commit_budget(cfg: DictConfig) -> None:
+    """A Hub repository cannot take more than its commit limit: refuse such a plan before anything runs."""
+    from diloco.dumb_diloco.budget import config_budget, on_hub  # light: no Hub client
+
+    budget = config_budget(cfg)
+    verdict = budget.verdict() if budget is not None else None
+    if verdict and verdict[0] == "refuse" and on_hub(cfg.distributed.repo_id):
+        raise ConfigError(
+            f"distributed.expected_step_seconds={cfg.distributed.expected_step_seconds:g}: {verdict[1]}"
+        )
 
 
 def _check_data(data: schema.DataConfig) -> None:

@@ -217,6 +217,9 @@ class DumbDiLoCoConfig:
     publish_master_state: bool = True  # publish ledger.json and outer momentum with the global
     keep_deltas: int = 0  # master: keep the N newest processed deltas per node (0 = never delete)
     lease_seconds: float = 300  # single-master lease (0 = the spec: no lease)
+    # seconds per inner step on the target hardware, for the Hub commit budget the plan prints and checks
+    # (dumb_diloco/budget.py); 0 = unknown, no budget
+    expected_step_seconds: float = 0
     install: str = "replace"  # replace (the spec: the global's weights) | translate (keep own progress)
     install_when_staged: bool = False  # translate only: install as soon as a global is staged, mid-round
     # a node of G ranks (torchrun --nproc_per_node G): a collective inside the node that waits longer fails

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from diloco.schema import RetryConfig
 
+from .budget import HUB_COMMITS_PER_HOUR
 from .store import (
     FileTooLarge,
     PermanentError,
@@ -42,7 +43,6 @@ from .tensor_format import DEFAULT_MAX_HEADER_BYTES, SafetensorsHeader, read_hea
 
 logger = logging.getLogger("diloco.dumb_diloco.transport")
 
-HUB_COMMITS_PER_HOUR = 128
 HUB_REPO_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _TOKEN_RE = re.compile(r"(hf_|api_org_)[A-Za-z0-9]{6,}")
 T = TypeVar("T")
@@ -67,22 +67,6 @@ def time_left(clock: Callable[[], float] = time.monotonic) -> float | None:
     """Seconds until the current deadline (negative once passed), None without one."""
     current = _DEADLINE.get()
     return None if current is None else current[0] - clock()
-
-
-def check_commit_budget(num_nodes: int, seconds_per_boundary: float, limit_per_hour: int = 128) -> str | None:
-    """A warning line when `num_nodes` committing once per `seconds_per_boundary` exceeds the
-    Hub's commit limit (about 128 commits per hour per repository), else None."""
-    if num_nodes <= 0 or seconds_per_boundary <= 0:
-        raise ValueError("num_nodes and seconds_per_boundary must be positive")
-    per_hour = num_nodes * 3600.0 / seconds_per_boundary
-    if per_hour <= limit_per_hour:
-        return None
-    return (
-        f"{num_nodes} node(s) uploading a delta every {seconds_per_boundary:g}s make ~{per_hour:.0f} "
-        f"commits/hour, over the Hub's limit of {limit_per_hour}/hour per repository (plus the master's "
-        f"global commits): raise inner_steps so a boundary takes >= "
-        f"{num_nodes * 3600.0 / limit_per_hour:.0f}s, or use a shared directory"
-    )
 
 
 @dataclass

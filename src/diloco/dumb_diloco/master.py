@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from .budget import LEDGER_EVERY_S
 from .intake import Candidate, Intake
 from .publication import HF_CONFIG_PATH, garbage, global_files, lease_blob, ledger_blob
 from .recovery import (
@@ -43,8 +44,6 @@ from .store import why_permanent
 from .transport import Transport, TransportError
 
 log = logging.getLogger("diloco.dumb_diloco")
-
-LEDGER_EVERY_S = 60.0  # rejections reach the published ledger within this long (or with the next global)
 
 
 @dataclass
@@ -322,14 +321,18 @@ class OuterLoop:
 
     def heartbeat(self, final: bool = False) -> None:
         """One small write between publications: the lease when no publication renewed it for
-        lease_seconds/3, and the ledger when rejections since the last publication are waiting (at most
-        once a minute). `final`: both, always, with the ledger marked final and the lease released.
-        Nothing once fenced."""
+        lease_seconds/3, and the ledger when rejections since the last publication are waiting: with a
+        lease, in that same write (no commit of its own: docs/dumb_diloco.md "Hub budget"), without one at
+        most once per LEDGER_EVERY_S. `final`: both, always, with the ledger marked final and the lease
+        released. Nothing once fenced."""
         now, files = time.monotonic(), {}
         if self.lease_seconds > 0 and (final or now - self._last_lease_write >= self.lease_seconds / 3):
             files[LEASE_PATH] = self.lease_blob(released=final)
         current = not self._unpublished and self.published_step == self.state.outer_step
-        due = final or (self._ledger_dirty and now - self._last_ledger_write >= LEDGER_EVERY_S)
+        if self.lease_seconds > 0:  # the ledger rides with the lease
+            due = final or (self._ledger_dirty and LEASE_PATH in files)
+        else:
+            due = final or (self._ledger_dirty and now - self._last_ledger_write >= LEDGER_EVERY_S)
         if self.publish_state and current and self.published_sha256 and due:
             with self.lock:
                 rows = self.state.ledger.to_json()

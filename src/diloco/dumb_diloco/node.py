@@ -28,13 +28,14 @@ import torch
 
 from diloco.model import weights_sha256
 
+from .budget import commit_budget
 from .install import translate
 from .master import OuterLoop
 from .recovery import GlobalSnapshot, MasterState, delta_layout, state_layout
 from .settings import DumbDiLoCoError, Settings
 from .startup import GlobalReader
 from .tensor_format import DeltaMeta, InvalidTensorFile, delta_path, encode, parse_header, pseudo_gradient
-from .transport import HubTransport, PermanentError, RemoteNotFound, Transport, check_commit_budget
+from .transport import HubTransport, PermanentError, RemoteNotFound, Transport
 
 log = logging.getLogger("diloco.dumb_diloco")
 
@@ -399,7 +400,8 @@ class Node:
     # ---------------------------------------------------------------- metrics, state, shutdown
 
     def _check_commit_budget(self) -> None:
-        """Warn once if this node alone would exceed the Hub's commit rate limit."""
+        """Warn once if the run, at the pace this node measured between its first two boundaries, would
+        come near the Hub's commit limit (nodes unknown here: at least the quorum, at least 1)."""
         if self._budget_checked or not isinstance(self.transport, HubTransport):
             return
         now = self.clock()
@@ -407,8 +409,18 @@ class Node:
             self._first_boundary_time = now
             return
         self._budget_checked = True
-        if warning := check_commit_budget(1, max(now - self._first_boundary_time, 1e-3)):
-            log.warning("node %s: %s", self.s.node_id, warning)
+        s = self.s
+        budget = commit_budget(
+            max(1, s.min_deltas_per_round),
+            s.inner_steps,
+            max(now - self._first_boundary_time, 1e-3) / s.inner_steps,
+            quorum=s.min_deltas_per_round,
+            poll_interval=s.poll_interval,
+            lease_seconds=s.lease_seconds,
+            publish_state=s.publish_master_state,
+        )
+        if verdict := budget.verdict():
+            log.warning("node %s: at this node's pace, %s", s.node_id, verdict[1])
 
     def metrics(self, stall: float | None = None) -> dict[str, float]:
         comm = ("bytes_uploaded", "bytes_downloaded", "total_bytes", "uploads", "upload_failures")

@@ -11,7 +11,7 @@ import os
 from urllib.parse import unquote, urlparse
 
 from .directory import DirectoryTransport, write_atomic
-from .hub import HUB_REPO_ID_RE, HubTransport, RetryPolicy, check_commit_budget, deadline, time_left
+from .hub import HUB_REPO_ID_RE, HubTransport, RetryPolicy, deadline, time_left
 from .store import (
     FileTooLarge,
     PermanentError,
@@ -36,7 +36,6 @@ __all__ = [
     "TransientError",
     "Transport",
     "TransportError",
-    "check_commit_budget",
     "deadline",
     "open_transport",
     "time_left",
