@@ -116,3 +116,19 @@ def on_hub(repo_id: Any) -> bool:
     from .hub import HUB_REPO_ID_RE
 
     return not isinstance(repo_id, str) or not repo_id.strip() or bool(HUB_REPO_ID_RE.fullmatch(repo_id))
+
+
+def pace_warning(s: Any, seconds_per_boundary: float) -> str | None:
+    """A node's check at run time: the run's budget at the pace this node measured between two boundaries
+    (the number of nodes is not known to a node: at least the quorum, at least 1); None if within it."""
+    budget = commit_budget(
+        max(1, s.min_deltas_per_round),
+        s.inner_steps,
+        max(seconds_per_boundary, 1e-3) / s.inner_steps,
+        quorum=s.min_deltas_per_round,
+        poll_interval=s.poll_interval,
+        lease_seconds=s.lease_seconds,
+        publish_state=s.publish_master_state,
+    )
+    verdict = budget.verdict()
+    return verdict[1] if verdict else None

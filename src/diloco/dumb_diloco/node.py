@@ -28,7 +28,7 @@ import torch
 
 from diloco.model import weights_sha256
 
-from .budget import commit_budget
+from .budget import pace_warning
 from .install import translate
 from .master import OuterLoop
 from .recovery import GlobalSnapshot, MasterState, delta_layout, state_layout
@@ -400,31 +400,18 @@ class Node:
     # ---------------------------------------------------------------- metrics, state, shutdown
 
     def _check_commit_budget(self) -> None:
-        """Warn once if the run, at the pace this node measured between its first two boundaries, would
-        come near the Hub's commit limit (nodes unknown here: at least the quorum, at least 1)."""
+        """Warn once if the run, at this node's pace between its first two boundaries, nears the Hub's limit."""
         if self._budget_checked or not isinstance(self.transport, HubTransport):
             return
-        now = self.clock()
         if self._first_boundary_time is None:
-            self._first_boundary_time = now
+            self._first_boundary_time = self.clock()
             return
         self._budget_checked = True
-        s = self.s
-        budget = commit_budget(
-            max(1, s.min_deltas_per_round),
-            s.inner_steps,
-            max(now - self._first_boundary_time, 1e-3) / s.inner_steps,
-            quorum=s.min_deltas_per_round,
-            poll_interval=s.poll_interval,
-            lease_seconds=s.lease_seconds,
-            publish_state=s.publish_master_state,
-        )
-        if verdict := budget.verdict():
-            log.warning("node %s: at this node's pace, %s", s.node_id, verdict[1])
+        if warning := pace_warning(self.s, self.clock() - self._first_boundary_time):
+            log.warning("node %s: at this node's pace, %s", self.s.node_id, warning)
 
     def metrics(self, stall: float | None = None) -> dict[str, float]:
-        comm = ("bytes_uploaded", "bytes_downloaded", "total_bytes", "uploads", "upload_failures")
-        comm += ("skipped_boundaries", "poll_failures")
+        comm = "bytes_uploaded bytes_downloaded total_bytes uploads upload_failures skipped_boundaries poll_failures"
         m = {
             "outer/step": self.installed_outer_step,
             "outer/installs": self.installs,
@@ -434,7 +421,7 @@ class Node:
             "comm/upload_seconds": self.last_upload_seconds,
             "comm/stall_seconds_total": self.stall_seconds,
         }
-        m |= {f"comm/{k}": getattr(self, k) for k in comm}
+        m |= {f"comm/{k}": getattr(self, k) for k in comm.split()}
         if stall is not None:
             m["comm/boundary_stall_seconds"] = stall
         if (o := self.outer) is not None:
