@@ -375,6 +375,8 @@ def validate(cfg: DictConfig) -> None:
                 "train.log_every", "train.eval_every", "train.checkpoint_every"):  # fmt: skip
         block, name = key.split(".")
         _number(getattr(c, block), name, f"{block}.", 0, strict=False)
+    if not c.train.slowdown >= 1:
+        raise ConfigError(f"train.slowdown must be >= 1 (a factor on the step time), got {c.train.slowdown}")
     betas = list(c.optim.betas)
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {betas}")

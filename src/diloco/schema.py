@@ -47,6 +47,10 @@ class TrainConfig:
     checkpoint_at_end: bool = True  # also write one when the run ends (false only for throwaway dry runs)
     keep_checkpoints: int = 2
     progress: bool = True  # tqdm progress line (rank 0 only)
+    # heterogeneous workers (experiments): the data shards in slow_shards (a DiLoCo worker's rank, a
+    # DumbDiLoCo node's data.shard) sleep after each step so that a step takes `slowdown` times as long
+    slowdown: float = 1.0
+    slow_shards: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -182,6 +182,7 @@ def run(cfg: DictConfig) -> int:
 
     # ----------------------------------------------------------------------------- loop
     micro, max_steps = cfg.train.micro_batch_size, cfg.train.max_steps
+    slow = cfg.train.slowdown > 1 and data_shard(cfg, ctx)[0] in cfg.train.slow_shards
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len  # per DiLoCo worker; global for DDP
     stop, agree_to_stop = StopFlag(), StopAgreement(ctx)  # ranks see a Ctrl+C at different steps
     stopping = False
@@ -209,6 +210,8 @@ def run(cfg: DictConfig) -> int:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
+            if slow:  # an injected slow worker (train.slowdown)
+                time.sleep((cfg.train.slowdown - 1) * (time.perf_counter() - t0))
             step_seconds = time.perf_counter() - t0
             clock.inner_seconds += step_seconds
             window_tokens += tokens_per_step
@@ -351,6 +354,15 @@ def build_optimizer(cfg, model, device: torch.device):
     )
 
 
+def data_shard(cfg, ctx: DistContext) -> tuple[int, int]:
+    """(shard, number of shards) of this rank's training data: data.shard, else its rank (a DumbDiLoCo
+    node: data.shard, else 0, shared by the node's ranks)."""
+    if cfg.distributed.mode == "dumb_diloco":
+        return cfg.data.shard or 0, cfg.data.num_shards or 1
+    shard = cfg.data.shard if cfg.data.shard is not None else ctx.rank
+    return shard, cfg.data.num_shards if cfg.data.num_shards is not None else ctx.world_size
+
+
 def build_data(cfg, ctx: DistContext) -> tuple[PrefetchedStream, dict]:
     """This rank's training stream (its shard, prefetched) and rank 0's fixed held-out batches: "all",
     and with non-IID shards each shard's own distribution."""
@@ -359,11 +371,8 @@ def build_data(cfg, ctx: DistContext) -> tuple[PrefetchedStream, dict]:
         raise ConfigError(
             f"tokenizer {cfg.data.tokenizer} has {len(tokenizer)} tokens but model.vocab_size={cfg.model.vocab_size}"
         )
-    shard = cfg.data.shard if cfg.data.shard is not None else ctx.rank
-    num_shards = cfg.data.num_shards if cfg.data.num_shards is not None else ctx.world_size
-    part = (0, 1)
+    (shard, num_shards), part = data_shard(cfg, ctx), (0, 1)
     if cfg.distributed.mode == "dumb_diloco":  # a node's shard (data.shard), split among the node's ranks
-        shard, num_shards = cfg.data.shard or 0, cfg.data.num_shards or 1
         part = (ctx.rank, ctx.world_size)
     stream = SequenceStream(cfg.data, tokenizer, cfg.data.train_split, shard, num_shards, part=part)
     train_stream = PrefetchedStream(stream, cfg.train.micro_batch_size)
