@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from omegaconf import OmegaConf
 from trainer_utils import compose_cfg, read_metrics, train
 
@@ -55,6 +58,37 @@ def test_config_has_the_spec_keys_and_defaults():
     )
     with pytest.raises(ConfigError, match="node_id"):
         validate(cfg)
+
+
+# past the specification: the value of each switch that gives the specification's behaviour
+SPEC_BEHAVIOUR = {
+    "min_deltas_per_round": 0,
+    "staleness_weighting": False,
+    "delayed_nesterov": False,
+    "publish_master_state": False,
+    "keep_deltas": 0,
+    "lease_seconds": 0,
+    "install": "replace",
+    "install_when_staged": False,
+}
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "dumb_diloco.md"
+
+
+def test_the_docs_name_every_default_that_differs_from_the_specification():
+    """Issue 12: docs and code said every past-the-spec default was the spec's, while
+    publish_master_state and lease_seconds default to on. The docs' line naming the exceptions, and
+    the switch column of the "Past the specification" table, must match the schema."""
+    d = OmegaConf.to_container(compose_cfg(["distributed=dumb_diloco"]).distributed, resolve=False)
+    differ = sorted(k for k, spec in SPEC_BEHAVIOUR.items() if d[k] != spec)
+    text = DOCS.read_text()
+    line = next(x for x in text.splitlines() if x.startswith("Defaults that differ from the specification:"))
+    assert sorted(re.findall(r"`(\w+)`", line)) == differ
+    table = text[text.index("| change | the specification |") :].split("\n\n")[0]
+    for key, default in re.findall(
+        r"`(\w+)`[^(|]*\(`([^`]+)`", "\n".join(r.rsplit("|", 2)[-2] for r in table.splitlines()[2:])
+    ):
+        if key in d:
+            assert d[key] == yaml.safe_load(default), key
 
 
 def _block(**kw) -> dict:
