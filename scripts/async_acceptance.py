@@ -1,0 +1,105 @@
+"""Issue 12's acceptance record: DumbDiLoCo against synchronous DiLoCo in the tiny family, per seed.
+
+    python scripts/async_acceptance.py --out results/tiny-async \
+        --horizon 400=runs/acc400 --horizon 2000=runs/acc2000 --seeds 1337 1
+
+Each `--horizon STEPS=PREFIX` reads `<PREFIX>-s<seed>/tiny-diloco-fp32/summary.json` (synchronous DiLoCo,
+4 gloo workers) and `<PREFIX>-s<seed>/tiny-dumb-diloco-node-0/summary.json` (the DumbDiLoCo master's
+final evaluation, of the final global after every node's last delta), as made by
+
+    python scripts/replicate.py --family tiny --only tiny/diloco_fp32 tiny/dumb_diloco \
+        --runs <PREFIX>-s<seed> --override seed=<seed> [--override optim.total_steps=2000 ...]
+
+and writes <out>/summary.json and <out>/README.md: held-out perplexity per seed, mean and spread, the
+gap of the means and each seed's gap, and PASS when the mean gap is within 3% (the issue's bar). Runs
+must be of a clean commit (a dirty one is refused); the record names every run's commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = {"sync": "tiny-diloco-fp32", "dumb": "tiny-dumb-diloco-node-0"}
+BAR = 0.03
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def read(prefix: str, seed: int, kind: str) -> dict:
+    path = Path(f"{prefix}-s{seed}") / RUNS[kind] / "summary.json"
+    s = json.loads(path.read_text())
+    if str(s.get("git_commit", "")).endswith("-dirty"):
+        raise SystemExit(f"{path}: made from a dirty tree; rerun it from a commit")
+    keys = ("final_eval_perplexity", "wall_seconds", "git_commit", "tokens_seen", "step", "status")
+    return {k: s.get(k) for k in keys} | {"path": str(path)}
+
+
+def horizon(prefix: str, seeds: list[int]) -> dict:
+    runs = {kind: [read(prefix, seed, kind) for seed in seeds] for kind in RUNS}
+    ppl = {kind: [r["final_eval_perplexity"] for r in rs] for kind, rs in runs.items()}
+    mean = {kind: sum(v) / len(v) for kind, v in ppl.items()}
+    gap = mean["dumb"] / mean["sync"] - 1
+    return {
+        "seeds": seeds,
+        "ppl": ppl,
+        "mean": mean,
+        "spread": {kind: max(v) - min(v) for kind, v in ppl.items()},
+        "gap_of_means": gap,
+        "gap_per_seed": [d / s - 1 for d, s in zip(ppl["dumb"], ppl["sync"])],
+        "verdict": "PASS" if gap <= BAR else "FAIL",
+        "runs": runs,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--horizon", action="append", required=True, help="STEPS=PREFIX")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1337, 1])
+    ap.add_argument("--out", default=str(ROOT / "results" / "tiny-async"))
+    args = ap.parse_args()
+    rows = {int(h.split("=")[0]): horizon(h.split("=", 1)[1], args.seeds) for h in args.horizon}
+    record = {
+        "command": "python scripts/async_acceptance.py "
+        + " ".join(f"--horizon {h}" for h in args.horizon)
+        + f" --seeds {' '.join(map(str, args.seeds))}",
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": bool(_git("status", "--porcelain")),
+        "machine": f"{platform.node()} {platform.machine()}",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "bar": BAR,
+        "horizons": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+    lines = [
+        "| steps | synchronous DiLoCo (per seed) | mean ± spread | DumbDiLoCo (per seed) | mean ± spread "
+        "| gap of means | gap per seed | within 3% |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for steps, h in rows.items():
+        cells = []
+        for kind in RUNS:
+            cells += [
+                ", ".join(f"{p:.2f}" for p in h["ppl"][kind]),
+                f"{h['mean'][kind]:.2f} ± {h['spread'][kind]:.2f}",
+            ]
+        per = ", ".join(f"{g:+.1%}" for g in h["gap_per_seed"])
+        lines.append(f"| {steps} | {' | '.join(cells)} | {h['gap_of_means']:+.1%} | {per} | {h['verdict']} |")
+    commits = sorted({r["git_commit"][:10] for h in rows.values() for rs in h["runs"].values() for r in rs})
+    table = "\n".join(lines)
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    print(f"runs at commit(s) {', '.join(commits)}; record {out}/summary.json")
+
+
+if __name__ == "__main__":
+    main()
