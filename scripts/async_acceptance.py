@@ -3,7 +3,7 @@
     python scripts/async_acceptance.py --out results/tiny-async \
         --horizon 400=runs/acc400 --horizon 2000=runs/acc2000 --seeds 1337 1
 
-Each `--horizon STEPS=PREFIX` reads `<PREFIX>-s<seed>/tiny-diloco-fp32/summary.json` (synchronous DiLoCo,
+Each `--horizon STEPS=PREFIX` (or `STEPS=SYNC_PREFIX,DUMB_PREFIX`) reads `<PREFIX>-s<seed>/tiny-diloco-fp32/summary.json` (synchronous DiLoCo,
 4 gloo workers) and `<PREFIX>-s<seed>/tiny-dumb-diloco-node-0/summary.json` (the DumbDiLoCo master's
 final evaluation, of the final global after every node's last delta), as made by
 
@@ -42,8 +42,11 @@ def read(prefix: str, seed: int, kind: str) -> dict:
     return {k: s.get(k) for k in keys} | {"path": str(path)}
 
 
-def horizon(prefix: str, seeds: list[int]) -> dict:
-    runs = {kind: [read(prefix, seed, kind) for seed in seeds] for kind in RUNS}
+def horizon(prefixes: str, seeds: list[int]) -> dict:
+    """`prefixes`: one prefix for both kinds, or "SYNC_PREFIX,DUMB_PREFIX"."""
+    sync, _, dumb = prefixes.partition(",")
+    prefix = {"sync": sync, "dumb": dumb or sync}
+    runs = {kind: [read(prefix[kind], seed, kind) for seed in seeds] for kind in RUNS}
     ppl = {kind: [r["final_eval_perplexity"] for r in rs] for kind, rs in runs.items()}
     mean = {kind: sum(v) / len(v) for kind, v in ppl.items()}
     gap = mean["dumb"] / mean["sync"] - 1
