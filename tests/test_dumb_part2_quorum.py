@@ -3,6 +3,7 @@ staleness weighting and delayed Nesterov, each against an update worked out by h
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -65,6 +66,23 @@ def test_the_quorum_counts_distinct_nodes_not_deltas(tmp_path):
     put_delta(repo, "slow", 5, g(3.0))
     r = loop.run_once()
     assert sorted((e.node_id, e.local_step) for e in r.applied) == [("fast", 5), ("fast", 10), ("slow", 5)]
+
+
+def test_a_node_that_finished_counts_toward_the_quorum(tmp_path):
+    """Issue 12: once a node has finished (its marker says so) it sends no more deltas, so the others'
+    rounds no longer wait for it (before, they waited until every node finished: a slow node's deltas
+    then piled up and were averaged into one step at the end)."""
+    loop, repo = make_loop(tmp_path, min_deltas_per_round=3)
+    put_delta(repo, "a", 5, g(1.0))
+    put_delta(repo, "b", 5, g(3.0))
+    marker = {"node_id": "c", "state": "running"}
+    repo.write({final_marker_path("c"): json.dumps(marker).encode()})
+    assert loop.run_once().applied == [] and loop.pending == 2  # c still runs: wait for it
+    marker |= {"state": "finished", "last_local_step": -1, "last_delta_sha256": ""}
+    repo.write({final_marker_path("c"): json.dumps(marker).encode()})
+    r = loop.run_once()
+    assert sorted(e.node_id for e in r.applied) == ["a", "b"] and r.outer_step == 1
+    assert torch.allclose(loop.state.weights["w"], W0 - LR * (2.0 + MU * 2.0), atol=1e-6)
 
 
 def test_quorum_zero_is_the_spec_one_step_per_poll_with_a_delta(tmp_path):

@@ -222,6 +222,11 @@ class Intake:
                 out[node] = f"its final delta (local step {final[0]}) is not in the repository yet"
         return out
 
+    def finished(self, revision: str) -> set[str]:
+        """The nodes (of the last listing) whose marker says they finished: they send no more deltas."""
+        nodes = self.markers if self.allowed is None else [n for n in self.markers if n in self.allowed]
+        return {n for n in nodes if self._read_marker(n, revision) is not None}
+
     def _read_marker(self, node: str, revision: str) -> tuple[int, str] | None:
         """(last local step, its payload SHA-256) from the node's final marker; None without a valid one."""
         f = self.markers.get(node)

@@ -165,7 +165,7 @@ class OuterLoop:
             elif tensors is not None:
                 self._pending[c.identity] = (c, tensors)
                 seen[c.sha256] = f"{c.node_id}@{c.local_step}"
-        valid = self._take_round(flush)
+        valid = self._take_round(flush, revision)
         with self.lock:
             for entry in result.rejected:
                 ledger.add(entry)
@@ -222,10 +222,12 @@ class OuterLoop:
         """Outer steps taken since the delta's base (before this round's step); -1 if the base is unknown."""
         return max(0, self.state.outer_step - base_outer_step) if base_outer_step >= 0 else -1
 
-    def _take_round(self, flush: bool) -> list[tuple[Candidate, dict[str, torch.Tensor]]]:
+    def _take_round(self, flush: bool, revision: str) -> list[tuple[Candidate, dict[str, torch.Tensor]]]:
         """The deltas of this round: every pending one once deltas of `min_deltas_per_round` distinct nodes
-        are pending (one fast node's two deltas do not make a quorum of two), or on `flush`; else none."""
-        quorum, nodes = max(1, self.min_deltas_per_round), len({c.node_id for c, _ in self._pending.values()})
+        are pending (one fast node's two deltas do not make a quorum of two; a node that finished counts, as
+        it will send no more), or on `flush`; else none."""
+        quorum, senders = max(1, self.min_deltas_per_round), {c.node_id for c, _ in self._pending.values()}
+        nodes = len(senders) + len(self.intake.finished(revision) - senders)  # a finished node sends no more
         if not self._pending or (nodes < quorum and not flush):
             if self._pending:
                 log.info(
