@@ -98,7 +98,7 @@ class OuterLoop:
     def __post_init__(self):
         allowed = frozenset(self.collaborators) | {self.node_id} if self.collaborators else None
         self.intake = Intake(
-            self.transport, delta_layout(self.state.published()), self.max_file_bytes, allowed
+            self.transport, delta_layout(self.state.published(share=True)), self.max_file_bytes, allowed
         )
         self._pending: dict[tuple[str, int, str], Candidate] = {}  # waiting for the quorum; summed in _sum
         self._sum = RunningSum()  # step 5 as the deltas arrive: the pending deltas' weighted sum
