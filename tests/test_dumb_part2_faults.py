@@ -307,7 +307,7 @@ def replay(repo, node_state) -> None:
     import torch
     from dumb_helpers import Tiny
 
-    from diloco.dumb_diloco.master import _average
+    from diloco.dumb_diloco.aggregation import average as _average
     from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, GLOBAL_MOMENTUM_PATH, MasterState
     from diloco.dumb_diloco.tensor_format import GLOBAL_WEIGHTS_PATH, decode, delta_path, parse_delta_path
 

@@ -155,7 +155,9 @@ class Intake:
             return Candidate(f.path, node_id, local_step, sha, reason=err.reason)
 
     def download(self, c: Candidate, revision: str) -> dict[str, torch.Tensor] | str | None:
-        """The delta's tensors, a rejection reason (str), or None (transient failure: retried next poll)."""
+        """The delta's tensors, a rejection reason (str), or None (transient failure: retried next poll).
+        The tensors are read-only views of the downloaded bytes (one copy of the file in memory, none made
+        by loading): read them, add them into a sum, and drop them."""
         if c.reason:
             return c.reason
         assert c.meta is not None
@@ -176,7 +178,7 @@ class Intake:
             return None
         self.bytes_downloaded += len(blob)
         try:
-            tensors, meta = decode(blob, max_bytes=self.max_file_bytes, expected=self.layout)
+            tensors, meta = decode(blob, max_bytes=self.max_file_bytes, expected=self.layout, views=True)
         except InvalidTensorFile as err:
             return err.reason
         if meta.get("payload_sha256") != c.sha256:

@@ -4,11 +4,12 @@
     2. read each header (the delta's identity), then the file  7. publish global/latest.safetensors   } one
     3. skip identities in the ledger (node, step, sha256)     8. and global/step_count.json          } write
     4. validate (keys, shapes, float32, finite, SHA-256)      9. save the state to <state_dir>/<node_id>/
-    5. average the valid deltas of this poll                 10. hand a GlobalSnapshot to the training thread
+    5. add each valid delta to a running sum, then average   10. hand a GlobalSnapshot to the training thread
 
 Invariants: the thread touches only its own float32 copy (`state`, under `lock`), never the live model;
-a delta is applied at most once; readers never see weights and step count of different rounds; a
-round that fails is logged, counted and tried again. Past the spec (quorum, staleness weighting,
+a delta is applied at most once; pending deltas (the quorum) cost one running float32 sum, not a copy
+each, and only their identities are kept (a restarted master reads them again); readers never see
+weights and step count of different rounds; a round that fails is logged, counted and tried again. Past the spec (quorum, staleness weighting,
 delayed Nesterov, published ledger/momentum, lease, GC; all off by default but the published state):
 docs/dumb_diloco.md ("Master outer loop", "Past the specification").
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from .aggregation import RunningSum
 from .budget import LEDGER_EVERY_S
 from .intake import Candidate, Intake
 from .publication import HF_CONFIG_PATH, garbage, global_files, lease_blob, ledger_blob
@@ -95,9 +97,10 @@ class OuterLoop:
     def __post_init__(self):
         allowed = frozenset(self.collaborators) | {self.node_id} if self.collaborators else None
         self.intake = Intake(
-            self.transport, delta_layout(self.state.published()), self.max_file_bytes, allowed
+            self.transport, delta_layout(self.state.published(share=True)), self.max_file_bytes, allowed
         )
-        self._pending: dict[tuple[str, int, str], tuple[Candidate, dict[str, torch.Tensor]]] = {}  # quorum
+        self._pending: dict[tuple[str, int, str], Candidate] = {}  # waiting for the quorum; summed in _sum
+        self._sum = RunningSum()  # step 5 as the deltas arrive: the pending deltas' weighted sum
         self._processed_paths: dict[str, tuple[str, int]] = {}  # path -> (node, step): processed, in the repo
         self._last_lease_write = -math.inf
         self.fenced = ""  # non-empty: another master holds the lease; this one no longer publishes
@@ -118,8 +121,8 @@ class OuterLoop:
     # ---- one poll: the ten steps
 
     def run_once(self, flush: bool = False) -> RoundResult:
-        """One poll. With `min_deltas_per_round` N > 0 valid deltas wait (in memory, not in the ledger)
-        until N are pending; `flush` (shutdown) applies the pending ones even below N."""
+        """One poll. With `min_deltas_per_round` N > 0 valid deltas wait (in the running sum, not in the
+        ledger) until N are pending; `flush` (shutdown) applies the pending ones even below N."""
         start = time.perf_counter()
         self.intake.transient = False
         if self._unpublished:
@@ -142,7 +145,7 @@ class OuterLoop:
             c for c in candidates if c.identity not in ledger and c.identity not in self._pending
         ]  # 3
         result = RoundResult(outer_step=self.state.outer_step)
-        seen = {c.sha256: f"{c.node_id}@{c.local_step}" for c, _ in self._pending.values()}
+        seen = {c.sha256: f"{c.node_id}@{c.local_step}" for c in self._pending.values()}
         for node, step, tag, reason in self.intake.refused:
             if (node, step, tag) not in ledger:
                 result.rejected.append(
@@ -156,14 +159,13 @@ class OuterLoop:
                 result.rejected.append(c.entry("duplicate", self.state.outer_step, same))
                 log.warning("master: duplicate delta %s: %s", c.path, same)
                 continue
-            tensors = self.intake.download(c, revision)  # 2 (payload) + 4
-            if isinstance(tensors, str):
+            why = self._take_in(c, revision)  # 2 (payload) + 4 + 5 (into the running sum)
+            if why:
                 staleness = self._staleness(c.meta.base_outer_step if c.meta else -1)
-                result.rejected.append(c.entry("rejected", self.state.outer_step, tensors, staleness))
+                result.rejected.append(c.entry("rejected", self.state.outer_step, why, staleness))
                 self._processed_paths[c.path] = (c.node_id, c.local_step)
-                log.warning("master: rejected delta %s: %s", c.path, tensors)
-            elif tensors is not None:
-                self._pending[c.identity] = (c, tensors)
+                log.warning("master: rejected delta %s: %s", c.path, why)
+            elif why is not None:
                 seen[c.sha256] = f"{c.node_id}@{c.local_step}"
         valid = self._take_round(flush, revision)
         with self.lock:
@@ -172,11 +174,11 @@ class OuterLoop:
             self.deltas_rejected += len(result.rejected)
             self._ledger_dirty |= bool(result.rejected)
             if valid:
-                mean = _average([t for _, t in valid], self._weights(valid))  # 5
-                result.pseudo_grad_norm = math.sqrt(
-                    sum(float(g.double().square().sum()) for g in mean.values())
+                mean = self._sum.mean()  # 5
+                result.pseudo_grad_norm = math.sqrt(  # float64 accumulation, no float64 copy
+                    sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in mean.values())
                 )
-                for c, _ in valid:
+                for c in valid:
                     staleness = self._staleness(c.meta.base_outer_step)
                     result.applied.append(c.entry("applied", self.state.outer_step + 1, staleness=staleness))
                     ledger.add(result.applied[-1])
@@ -188,7 +190,7 @@ class OuterLoop:
                 self.rounds += 1
                 self.last_num_peers, self.last_pseudo_grad_norm = result.num_peers, result.pseudo_grad_norm
                 self.last_staleness = [e.staleness for e in result.applied]
-        self._processed_paths |= {c.path: (c.node_id, c.local_step) for c, _ in valid}
+        self._processed_paths |= {c.path: (c.node_id, c.local_step) for c in valid}
         if valid:
             result.published = self.publish(result.applied)  # 7 + 8
         if valid or result.rejected:
@@ -209,24 +211,33 @@ class OuterLoop:
             )
         return result
 
-    def _weights(self, valid: list[tuple[Candidate, dict[str, torch.Tensor]]]) -> list[float] | None:
-        """Step 5's weights: None (equal, the spec) or 1/(1+staleness) normalised to sum 1."""
-        if not self.staleness_weighting:
-            return None
-        raw = [
-            1.0 / (1 + max(0, self._staleness(c.meta.base_outer_step if c.meta else -1))) for c, _ in valid
-        ]
-        return [w / sum(raw) for w in raw]
+    def _take_in(self, c: Candidate, revision: str) -> str | None:
+        """Download and validate `c` and add it to the running sum (pending): "" if it is pending, a
+        rejection reason, or None (a transient failure: read again next poll). Its bytes die on return.
+        Its weight: 1 (the spec) or 1/(1+staleness), normalised over the round by `RunningSum.mean`."""
+        tensors = self.intake.download(c, revision)  # read-only views of the file's bytes
+        if tensors is None or isinstance(tensors, str):
+            return tensors
+        weight = 1.0
+        if self.staleness_weighting:
+            weight = 1.0 / (1 + max(0, self._staleness(c.meta.base_outer_step if c.meta else -1)))
+        try:
+            self._sum.add(tensors, weight)
+        except BaseException:  # a half-added delta (out of memory?): drop the sum; pending ones are re-read
+            self._sum, self._pending = RunningSum(), {}
+            raise
+        self._pending[c.identity] = c
+        return ""
 
     def _staleness(self, base_outer_step: int) -> int:
         """Outer steps taken since the delta's base (before this round's step); -1 if the base is unknown."""
         return max(0, self.state.outer_step - base_outer_step) if base_outer_step >= 0 else -1
 
-    def _take_round(self, flush: bool, revision: str) -> list[tuple[Candidate, dict[str, torch.Tensor]]]:
+    def _take_round(self, flush: bool, revision: str) -> list[Candidate]:
         """The deltas of this round: every pending one once deltas of `min_deltas_per_round` distinct nodes
         are pending (one fast node's two deltas do not make a quorum of two; a node that finished counts, as
         it will send no more), or on `flush`; else none."""
-        quorum, senders = max(1, self.min_deltas_per_round), {c.node_id for c, _ in self._pending.values()}
+        quorum, senders = max(1, self.min_deltas_per_round), {c.node_id for c in self._pending.values()}
         nodes = len(senders) + len(self.intake.finished(revision) - senders)  # a finished node sends no more
         if not self._pending or (nodes < quorum and not flush):
             if self._pending:
@@ -437,18 +448,3 @@ class OuterLoop:
         self._stop.set()
         self._thread.join(None if timeout is None else timeout + drain_timeout)
         return not self._thread.is_alive()
-
-
-def _average(
-    deltas: list[dict[str, torch.Tensor]], weights: list[float] | None = None
-) -> dict[str, torch.Tensor]:
-    """Equal-weight mean (or the `weights`-weighted sum), accumulated in float32 in a fixed order."""
-    scale = weights or [1.0] * len(deltas)  # t * 1.0 and alpha=1.0 are exact: the plain sum
-    out = {k: t * scale[0] for k, t in deltas[0].items()}
-    for d, w in zip(deltas[1:], scale[1:]):
-        for k, t in d.items():
-            out[k].add_(t, alpha=w)
-    if weights is None:
-        for t in out.values():
-            t.div_(len(deltas))
-    return out

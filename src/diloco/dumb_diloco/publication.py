@@ -29,7 +29,7 @@ def global_files(
     """The files of one publication of `state` (call it under the lock that guards the state), and their
     common fields (outer_step, created_at, master, global_sha256). `outer`: outer_lr, outer_momentum and
     init_sha256 for step_count.json; `hf_config`: also write config.json and the weight index."""
-    weights = state.published()
+    weights = state.published(share=True)  # float32 entries: the state's own tensors, only encoded here
     common = {"outer_step": state.outer_step, "created_at": utc_now(), "master": master}
     meta = {k: str(v) for k, v in common.items()}
     blob = encode(weights, meta | {"kind": "dumb_diloco_global", "format": "pt"})

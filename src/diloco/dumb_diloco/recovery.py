@@ -180,10 +180,14 @@ class MasterState:
         }
         return cls(outer_step, weights, {k: t.dtype for k, t in state.items()})
 
-    def published(self) -> dict[str, torch.Tensor]:
-        """The full state_dict in the model's dtypes (what global/latest.safetensors holds)."""
+    def published(self, share: bool = False) -> dict[str, torch.Tensor]:
+        """The full state_dict in the model's dtypes (what global/latest.safetensors holds). `share`: the
+        state's own tensors where no conversion is needed, for a caller that only reads them under the
+        lock that guards the state (encoding the global); else always copies (snapshots never alias)."""
         return {
-            k: from_float32(t, self.dtypes[k])
+            k: t
+            if share and t.dtype == self.dtypes[k]
+            else from_float32(t, self.dtypes[k])
             if self.dtypes[k].is_floating_point or self.dtypes[k].is_complex
             else t.clone()
             for k, t in self.weights.items()

@@ -1,6 +1,7 @@
 """DumbDiLoCo's wire format: safetensors files whose header is validated before anything is loaded.
 
-Invariants: nothing here unpickles (headers are parsed by hand, payloads by `safetensors.torch.load`);
+Invariants: nothing here unpickles (headers are parsed by hand, payloads by `safetensors.torch.load`,
+or viewed in place from the validated header with `decode(views=True)`);
 `encode` writes one canonical header (sorted keys, `format_version`, `payload_sha256`), so the same
 tensors and metadata give the same bytes in every process; `decode` refuses a file before loading it
 unless its size, header, payload SHA-256, keys, shapes, dtypes and values all check out.
@@ -15,6 +16,7 @@ import json
 import math
 import re
 import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
@@ -366,11 +368,14 @@ def decode(
     require_finite: bool = True,
     verify_sha: bool = True,
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    views: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Validate `blob` completely, then load it. Returns (tensors, metadata).
 
     `expected` maps each tensor name to (shape, torch dtype); missing or extra names, another
     shape or dtype are errors. Raises InvalidTensorFile(reason) before loading anything bad.
+    `views`: the tensors are read-only views of `blob` (no copy; on a little-endian host), for a
+    caller that only reads them while it holds `blob` (the master adding a delta into its sum).
     """
     if len(blob) > max_bytes:
         raise InvalidTensorFile(f"file is {len(blob)} bytes, over the cap of {max_bytes} bytes")
@@ -411,7 +416,7 @@ def decode(
                     f"tensor {name!r}: dtype {info.dtype}, expected {_torch_dtype_name(dtype)}"
                 )
     try:
-        tensors = _st_load(bytes(blob))
+        tensors = _views(blob, header) if views and sys.byteorder == "little" else _st_load(bytes(blob))
     except Exception as err:  # the Rust parser disagrees with ours: still a bad file
         raise InvalidTensorFile(f"safetensors refused the file: {str(err).splitlines()[0]}") from None
     if require_finite:
@@ -419,6 +424,21 @@ def decode(
             if (t.is_floating_point() or t.is_complex()) and not _all_finite(t):
                 raise InvalidTensorFile(f"tensor {name!r} holds NaN or Inf")
     return tensors, meta
+
+
+def _views(blob: bytes, header: SafetensorsHeader) -> dict[str, torch.Tensor]:
+    """The tensors `header` (validated: every offset inside the payload, tiled exactly) describes, as
+    views of `blob`: nothing is copied, where `safetensors.torch.load` copies the whole payload."""
+    out = {}
+    for name, info in header.tensors.items():
+        dtype, (begin, end) = _TORCH_DTYPES[info.dtype], info.data_offsets
+        if begin == end:  # frombuffer refuses empty buffers
+            out[name] = torch.empty(info.shape, dtype=dtype)
+            continue
+        offset, count = header.payload_offset + begin, (end - begin) // dtype.itemsize
+        # torch warns once per process that bytes are read-only, as it does under safetensors.torch.load
+        out[name] = torch.frombuffer(blob, dtype=dtype, count=count, offset=offset).view(info.shape)
+    return out
 
 
 def is_delta_tensor(t: torch.Tensor) -> bool:

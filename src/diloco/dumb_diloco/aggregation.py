@@ -1,0 +1,57 @@
+"""Step 5 of the master's outer loop as the deltas arrive: a running float32 sum (issue 12, "Bounded
+memory"). Prose: docs/dumb_diloco.md ("Master outer loop", "Past the specification": quorum, staleness).
+
+Invariants: one model-sized float32 buffer however many deltas are pending (a delta is added, then
+dropped); deltas are added in arrival order, so the equal-weight mean is bit for bit `average`'s over
+the same list; a delta's raw weight 1/(1+staleness) is fixed when it is added (the outer step, hence its
+staleness, does not move while deltas are pending: it moves only when a round applies them all) and
+normalised once, in `mean`, which equals `average` with normalised weights to float32 round-off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RunningSum:
+    """sum_i w_i * delta_i over the deltas added since the last `mean`, in float32 (the mean's buffer)."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, torch.Tensor] = {}
+        self.weight = 0.0  # sum of the raw weights (the number of deltas when they are all 1)
+        self.count = 0
+
+    def add(self, delta: dict[str, torch.Tensor], weight: float = 1.0) -> None:
+        """Add `weight` * `delta`; `delta` is only read (it may be a view of a file's bytes)."""
+        if self.count == 0:
+            self.total = {k: t * weight for k, t in delta.items()}  # a fresh buffer; t * 1.0 is exact
+        else:
+            for k, t in self.total.items():
+                t.add_(delta[k], alpha=weight)  # alpha=1.0 is the plain sum
+        self.weight += weight
+        self.count += 1
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        """The weighted mean of the deltas added (their sum divided by the sum of weights), in the sum's
+        buffer, which this hands over: the running sum starts empty again."""
+        total, weight = self.total, self.weight
+        self.total, self.weight, self.count = {}, 0.0, 0
+        for t in total.values():
+            t.div_(weight)  # equal weights: the sum of 1.0s is the exact count
+        return total
+
+
+def average(
+    deltas: list[dict[str, torch.Tensor]], weights: list[float] | None = None
+) -> dict[str, torch.Tensor]:
+    """The reference (the master's step 5 before the running sum): equal-weight mean, or the sum weighted
+    by `weights` (normalised by the caller), accumulated in float32 in list order."""
+    scale = weights or [1.0] * len(deltas)  # t * 1.0 and alpha=1.0 are exact: the plain sum
+    out = {k: t * scale[0] for k, t in deltas[0].items()}
+    for d, w in zip(deltas[1:], scale[1:]):
+        for k, t in d.items():
+            out[k].add_(t, alpha=w)
+    if weights is None:
+        for t in out.values():
+            t.div_(len(deltas))
+    return out

@@ -1,0 +1,152 @@
+"""Issue 12, bounded memory: the master adds each valid delta to a running float32 sum as it arrives
+(`aggregation.RunningSum`) and keeps only the identities of the pending ones. Checked against the
+average over the whole list (`aggregation.average`, the master's step 5 before), bit for bit with equal
+weights and to float32 round-off with staleness weights, and by the tensor memory a master holds."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import types
+
+import pytest
+import torch
+from dumb_helpers import put_delta
+
+from diloco.dumb_diloco.aggregation import RunningSum, average
+from diloco.dumb_diloco.master import OuterLoop
+from diloco.dumb_diloco.recovery import MasterState
+from diloco.dumb_diloco.tensor_format import decode, delta_path, encode
+from diloco.dumb_diloco.transport import DirectoryTransport
+
+pytestmark = pytest.mark.usefixtures("no_network")
+
+SHAPES = {"w": (64, 33), "b": (33,)}
+N = 64 * 33 + 33  # float32 entries of one delta
+
+
+def deltas(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [{k: torch.randn(s, generator=gen) * 10 ** (i % 3) for k, s in SHAPES.items()} for i in range(n)]
+
+
+def make_loop(tmp_path, state: MasterState | None = None, **kw) -> OuterLoop:
+    state = state or MasterState.from_model_state({k: torch.full(s, 0.5) for k, s in SHAPES.items()})
+    return OuterLoop(
+        DirectoryTransport(tmp_path / "repo"),
+        state,
+        node_id="m",
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        poll_interval=0.05,
+        state_dir=tmp_path / "state",
+        max_file_bytes=2**20,
+        **kw,
+    )
+
+
+def expected_step(state: MasterState, mean: dict[str, torch.Tensor]) -> MasterState:
+    ref = MasterState.from_checkpoint(state.to_checkpoint())
+    ref.apply_outer_step(mean, 0.7, 0.9)
+    return ref
+
+
+def test_running_sum_is_the_average_bit_for_bit_with_equal_weights():
+    ds = deltas(7)
+    acc = RunningSum()
+    for d in ds:
+        acc.add(d)
+    got, want = acc.mean(), average(ds)
+    assert all(torch.equal(got[k], want[k]) for k in SHAPES)
+    assert acc.count == 0 and acc.total == {}  # handed over: the next round starts empty
+    acc.add(ds[0])
+    assert torch.equal(acc.mean()["w"], ds[0]["w"])
+
+
+def test_running_sum_with_staleness_weights_is_the_normalised_average_to_float32_round_off():
+    ds, raw = deltas(5, seed=1), [1.0, 1 / 3, 0.5, 1.0, 1 / 4]
+    acc = RunningSum()
+    for d, w in zip(ds, raw):
+        acc.add(d, w)
+    got, want = acc.mean(), average(ds, [w / sum(raw) for w in raw])
+    for k in SHAPES:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
+
+
+def held_tensor_bytes(obj, skip: tuple) -> int:
+    """Bytes of the distinct tensor storages reachable from `obj`, not looking inside `skip` objects."""
+    seen, storages, todo = {id(obj)}, {}, [obj]
+    while todo:
+        for ref in gc.get_referents(todo.pop()):
+            if id(ref) in seen or isinstance(ref, (*skip, type, types.ModuleType, types.FunctionType)):
+                continue
+            seen.add(id(ref))
+            if isinstance(ref, torch.Tensor):
+                storages[ref.untyped_storage().data_ptr()] = ref.untyped_storage().nbytes()
+            else:
+                todo.append(ref)
+    return sum(storages.values())
+
+
+def test_pending_deltas_hold_one_sum_however_many_wait(tmp_path):
+    """Before: each pending delta's tensors stayed in memory until the quorum was met."""
+    loop = make_loop(tmp_path, min_deltas_per_round=5)
+    held = []
+    for i, d in enumerate(deltas(4)):
+        put_delta(loop.transport, f"n{i}", 1, d)
+        assert loop.run_once().applied == [] and loop.pending == i + 1
+        held.append(held_tensor_bytes(loop, skip=(MasterState, DirectoryTransport)))
+    assert held == [4 * N] * 4  # one float32 sum, however many deltas are pending
+    assert all(not isinstance(c, tuple) for c in loop._pending.values())  # identities only
+
+
+def test_outer_loop_equal_weight_round_is_the_reference_bit_for_bit_and_restart_re_reads_pending(tmp_path):
+    loop = make_loop(tmp_path, min_deltas_per_round=3)
+    ds = deltas(3, seed=2)
+    put_delta(loop.transport, "a", 1, ds[0])
+    put_delta(loop.transport, "b", 1, ds[1])
+    assert loop.run_once().applied == [] and loop.pending == 2
+    loop.save_state()
+    # the master dies with two deltas pending (summed in memory, not in the ledger or the saved state)
+    before = MasterState.load(tmp_path / "state")
+    again = make_loop(tmp_path, MasterState.load(tmp_path / "state"), min_deltas_per_round=3)
+    assert again.pending == 0 and len(again.state.ledger) == 0
+    put_delta(loop.transport, "c", 1, ds[2])
+    r = again.run_once()
+    assert [(e.node_id, e.status) for e in r.applied] == [
+        ("a", "applied"),
+        ("b", "applied"),
+        ("c", "applied"),
+    ]
+    ref = expected_step(before, average(ds))
+    assert all(torch.equal(again.state.weights[k], ref.weights[k]) for k in SHAPES)
+    assert all(torch.equal(again.state.momentum[k], ref.momentum[k]) for k in SHAPES)
+
+
+def test_outer_loop_staleness_weighted_round_is_the_reference(tmp_path):
+    loop = make_loop(tmp_path, staleness_weighting=True)
+    first, *ds = deltas(4, seed=3)
+    put_delta(loop.transport, "a", 1, first, base=0)
+    assert loop.run_once().outer_step == 1
+    loop.min_deltas_per_round = 3
+    before = MasterState.from_checkpoint(loop.state.to_checkpoint())
+    for node, base, d in zip("bcd", (0, 1, 0), ds):
+        put_delta(loop.transport, node, 2, d, base=base)
+        r = loop.run_once()
+    assert [e.staleness for e in r.applied] == [1, 0, 1]
+    raw = [1 / 2, 1.0, 1 / 2]
+    read = [decode(loop.transport.read(delta_path(n, 2)), max_bytes=2**20)[0] for n in "bcd"]
+    ref = expected_step(before, average(read, [w / sum(raw) for w in raw]))
+    for k in SHAPES:
+        torch.testing.assert_close(loop.state.weights[k], ref.weights[k], rtol=1e-6, atol=1e-6)
+
+
+def test_decode_views_are_the_loaded_tensors_without_a_copy():
+    tensors = deltas(1)[0] | {"empty": torch.zeros(0, 3), "h": torch.ones(3, dtype=torch.float16)}
+    blob = encode(tensors, {"note": "x"})
+    loaded, _ = decode(blob, max_bytes=len(blob))
+    viewed, _ = decode(blob, max_bytes=len(blob), views=True)
+    for k, t in loaded.items():
+        assert viewed[k].dtype == t.dtype and torch.equal(viewed[k], t), k
+    start = ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value
+    assert start <= viewed["w"].data_ptr() < start + len(blob)  # inside the file's bytes: no copy
