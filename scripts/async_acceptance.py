@@ -11,7 +11,10 @@ final evaluation, of the final global after every node's last delta), as made by
         --runs <PREFIX>-s<seed> --override seed=<seed> [--override optim.total_steps=2000 ...]
 
 and writes <out>/summary.json and <out>/README.md: held-out perplexity per seed, mean and spread, the
-gap of the means and each seed's gap, and PASS when the mean gap is within 3% (the issue's bar). Runs
+gap of the means and each seed's gap, and PASS when the mean gap is within 3% (the issue's bar).
+`--heterogeneous SYNC_RUN_DIR,DUMB_PREFIX` (runs with `--override train.slowdown=2 --override
+train.slow_shards=[3]`) adds the time DumbDiLoCo's master takes to reach synchronous DiLoCo's final
+perplexity, as a fraction of synchronous DiLoCo's wall time (PASS at most 75%). Runs
 must be of a clean commit (a dirty one is refused); the record names every run's commit.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
@@ -62,9 +66,47 @@ def horizon(prefixes: str, seeds: list[int]) -> dict:
     }
 
 
+EVAL = re.compile(r"^(\S+ \S+) INFO .*?(?:step (\d+): |final )eval loss \S+, perplexity ([\d.]+)")
+
+
+def curve(log: Path) -> tuple[datetime, list[tuple[float, int, float]]]:
+    """(start, [(seconds since the log's first line, step, perplexity)]) of a train.log's evaluations."""
+    lines = log.read_text().splitlines()
+    stamp = lambda line: datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")  # noqa: E731
+    start, out = stamp(lines[0]), []
+    for line in lines:
+        if m := EVAL.match(line):
+            out.append(((stamp(line) - start).total_seconds(), int(m[2] or -1), float(m[3])))
+    return start, out
+
+
+def heterogeneous(dirs: str) -> dict:
+    """`SYNC_RUN,DUMB_PREFIX`: time for DumbDiLoCo's master (its live model, then the final global) to
+    reach synchronous DiLoCo's final perplexity, against synchronous DiLoCo's wall time, both with one
+    worker slowed down (train.slowdown); from the nodes' first log line to the evaluation's."""
+    sync_dir, dumb_prefix = dirs.split(",")
+    _, sync = curve(Path(sync_dir) / "train.log")
+    target, t_sync = sync[-1][2], sync[-1][0]
+    starts = [
+        curve(p)[0]
+        for p in sorted(Path(dumb_prefix).parent.glob(Path(dumb_prefix).name + "-node-*/train.log"))
+    ]
+    master_start, dumb = curve(Path(f"{dumb_prefix}-node-0") / "train.log")
+    shift = (master_start - min(starts)).total_seconds()  # from the first node's start
+    dumb = [(t + shift, step, ppl) for t, step, ppl in dumb]
+    reached = next(((t, step, ppl) for t, step, ppl in dumb if ppl <= target), None)
+    ratio = reached[0] / t_sync if reached else None
+    return {
+        "target_ppl": target, "sync_seconds": t_sync, "sync_curve": sync, "dumb_curve": dumb,
+        "dumb_reached": reached, "ratio": ratio,
+        "verdict": "PASS" if ratio is not None and ratio <= 0.75 else "FAIL",
+    }  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--horizon", action="append", required=True, help="STEPS=PREFIX")
+    ap.add_argument("--horizon", action="append", default=[], help="STEPS=PREFIX")
+    ap.add_argument("--heterogeneous", help="SYNC_RUN_DIR,DUMB_PREFIX (one slowed-down worker)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1337, 1])
     ap.add_argument("--out", default=str(ROOT / "results" / "tiny-async"))
     args = ap.parse_args()
@@ -80,6 +122,9 @@ def main() -> None:
         "bar": BAR,
         "horizons": rows,
     }
+    if args.heterogeneous:
+        record["command"] += f" --heterogeneous {args.heterogeneous}"
+        record["heterogeneous"] = heterogeneous(args.heterogeneous)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -98,6 +143,19 @@ def main() -> None:
         per = ", ".join(f"{g:+.1%}" for g in h["gap_per_seed"])
         lines.append(f"| {steps} | {' | '.join(cells)} | {h['gap_of_means']:+.1%} | {per} | {h['verdict']} |")
     commits = sorted({r["git_commit"][:10] for h in rows.values() for rs in h["runs"].values() for r in rs})
+    if h := record.get("heterogeneous"):
+        got = h["dumb_reached"]
+        lines += [
+            "",
+            f"Heterogeneous (one of 4 workers 2x slower): synchronous DiLoCo ends at {h['target_ppl']:.2f} after "
+            f"{h['sync_seconds']:.0f} s; DumbDiLoCo's master "
+            + (
+                f"reaches it at step {got[1]} after {got[0]:.0f} s ({h['ratio']:.0%} of that)"
+                if got
+                else "never reaches it"
+            )
+            + f" (best {min(p for *_, p in h['dumb_curve']):.2f}); within 75%: {h['verdict']}",
+        ]
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     print(table)
