@@ -137,6 +137,7 @@ def dry_overrides(name: str, out: Path, mode: str) -> list[str]:
             "distributed.inner_steps=2",
             "distributed.poll_interval=1",
             "distributed.drain_timeout=0",
+            "distributed.min_deltas_per_round=0",  # alone: no quorum of nodes to wait for at the start
             "distributed.lease_seconds=0",
             "data.shard=0",
             "data.num_shards=1",

@@ -110,6 +110,7 @@ def test_the_dumb_diloco_dry_run_leg_uses_seconds_not_minutes(tmp_path):
     cfg = compose_overrides(replicate.dry_overrides(name, tmp_path, "dumb_diloco"))
     validate(cfg)
     assert cfg.distributed.drain_timeout == 0 and cfg.distributed.poll_interval <= 1
+    assert cfg.distributed.min_deltas_per_round == 0  # a lone master: no quorum to wait for at the start
     assert cfg.distributed.state_dir.startswith(str(tmp_path))  # nothing left in the repository
 
 
