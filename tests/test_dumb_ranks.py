@@ -208,12 +208,17 @@ def test_a_master_node_and_a_worker_node_of_two_ranks_each(tmp_path, kind):
     deltas = sorted(parse_delta_path(p) for p in files)
     state = json.loads((tmp_path / "state" / "master-1" / "master_state.json").read_text())
     applied = sorted((e["node_id"], e["local_step"]) for e in state["ledger"] if e["status"] == "applied")
-    assert applied == deltas and len(deltas) == 8  # 4 boundaries of 2 nodes, each applied once
+    assert applied == deltas  # every delta applied exactly once
     for node in ("worker-1", "master-1"):
         run = tmp_path / "runs" / node
         summary = json.loads((run / "summary.json").read_text())
         assert summary["dumb_diloco/ranks_per_node"] == 2 and summary["world_size"] == 2
-        assert summary["comm/uploads"] == sum(n == node for n, _ in deltas) == 4
+        # 4 boundaries, an upload each unless the previous one was still in flight (a loaded machine, the
+        # Hub): then that boundary is skipped and its steps go into the next delta, or into the final one
+        # that the end of the run sends; the last delta ends at step 20 either way
+        mine = [step for n, step in deltas if n == node]
+        assert summary["comm/boundaries"] == 4 and mine[-1] == 20, (node, mine)
+        assert summary["comm/uploads"] == len(mine) and summary["comm/upload_failures"] == 0, (node, mine)
         assert summary["dumb_diloco/final_delta"].startswith("applied at outer step")
         steps = sorted((run / "checkpoints").glob("step_*"))
         assert [d.name for d in steps] == [f"step_{s:08d}" for s in (5, 10, 15, 20)]
@@ -221,7 +226,7 @@ def test_a_master_node_and_a_worker_node_of_two_ranks_each(tmp_path, kind):
             w0, w1 = (torch.load(d / f"rank{r}.pt", weights_only=True)["model"] for r in (0, 1))
             assert all(torch.equal(w0[k], w1[k]) for k in w0), (node, d.name)
         if kind == "hub":
-            assert sum(t.startswith(f"{node}: delta at local step") for t in commits) == 4, commits
+            assert sum(t.startswith(f"{node}: delta at local step") for t in commits) == len(mine), commits
 
 
 def _rank_pid(agent_pid: int, local_rank: int) -> int | None:
