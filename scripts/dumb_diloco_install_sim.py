@@ -147,6 +147,12 @@ def main() -> None:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     batches = eval_batches(cfg.data, tokenizer, 8192, 4)  # the held-out split, never trained on
     t0, rows = time.time(), {}
+    commit = subprocess.run(  # at the start: the code this run imported
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = bool(
+        subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
+    )
     for name, (install, delay, quorum) in MODES.items():
         ppl = [
             math.exp(run(cfg, tokenizer, batches, args.steps, s, install, delay, quorum)) for s in args.seeds
@@ -154,12 +160,6 @@ def main() -> None:
         rows[name] = {"ppl": ppl, "mean": sum(ppl) / len(ppl), "spread": max(ppl) - min(ppl)}
         print(f"{name}: {[round(p, 2) for p in ppl]}", flush=True)
     sync = rows["sync"]["mean"]
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    dirty = bool(
-        subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout
-    )
     record = {
         "command": f"python scripts/dumb_diloco_install_sim.py --steps {args.steps} --seeds {' '.join(map(str, args.seeds))}"
         + ("" if args.regime == "tiny" else f" --regime {args.regime}"),
