@@ -66,6 +66,9 @@ def test_the_quorum_counts_distinct_nodes_not_deltas(tmp_path):
     put_delta(repo, "slow", 5, g(3.0))
     r = loop.run_once()
     assert sorted((e.node_id, e.local_step) for e in r.applied) == [("fast", 5), ("fast", 10), ("slow", 5)]
+    # issue 12: a round averages over its nodes, not its deltas: the fast node's two deltas are its progress
+    # ((1 + 2) + 3) / 2 nodes = 3.0, where a mean over the 3 deltas (2.0) took a third of each node's away
+    assert torch.allclose(loop.state.weights["w"], W0 - LR * (3.0 + MU * 3.0), atol=1e-6)
 
 
 def test_a_node_that_finished_counts_toward_the_quorum(tmp_path):
@@ -120,6 +123,8 @@ def test_flush_and_shutdown_apply_pending_deltas_below_the_quorum(tmp_path):
     put_delta(repo, "a", 5, g(1.0))
     assert loop.run_once().applied == []
     assert [e.node_id for e in loop.run_once(flush=True).applied] == ["a"]
+    # a flush below the quorum: the lone delta stands for 1 of the 4 nodes (1/4), not for all of them (1.0)
+    assert torch.allclose(loop.state.weights["w"], W0 - LR * (0.25 + MU * 0.25), atol=1e-6)
     # through the coordinator: close() applies what is still pending
     model = Tiny()
     s = settings(tmp_path / "repo2", role="master", node_id="m", poll_interval=0.05, min_deltas_per_round=4)

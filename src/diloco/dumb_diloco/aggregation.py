@@ -31,13 +31,17 @@ class RunningSum:
         self.weight += weight
         self.count += 1
 
-    def mean(self) -> dict[str, torch.Tensor]:
+    def mean(self, nodes: int | None = None) -> dict[str, torch.Tensor]:
         """The weighted mean of the deltas added (their sum divided by the sum of weights), in the sum's
-        buffer, which this hands over: the running sum starts empty again."""
+        buffer, which this hands over: the running sum starts empty again. `nodes`: a quorum round's
+        nodes instead: the mean scaled by count / nodes, so each node's deltas add up (two of a fast node
+        count as its progress, not as two nodes) and a lone node's delta is not taken for all of them."""
         total, weight = self.total, self.weight
+        if nodes is not None and nodes != self.count:
+            weight *= nodes / self.count
         self.total, self.weight, self.count = {}, 0.0, 0
         for t in total.values():
-            t.div_(weight)  # equal weights: the sum of 1.0s is the exact count
+            t.div_(weight)  # equal weights: the sum of 1.0s is the exact count (or the nodes)
         return total
 
 

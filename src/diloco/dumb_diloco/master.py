@@ -9,9 +9,9 @@
 Invariants: the thread touches only its own float32 copy (`state`, under `lock`), never the live model;
 a delta is applied at most once; pending deltas (the quorum) cost one running float32 sum, not a copy
 each, and only their identities are kept (a restarted master reads them again); readers never see
-weights and step count of different rounds; a round that fails is logged, counted and tried again. Past the spec (quorum, staleness weighting,
-delayed Nesterov, published ledger/momentum, lease, GC; all off by default but the published state):
-docs/dumb_diloco.md ("Master outer loop", "Past the specification").
+weights and step count of different rounds; a round that fails is logged, counted and tried again.
+Past the spec (quorum, staleness weighting, delayed Nesterov, published ledger/momentum, lease, GC; the
+defaults that differ from it: docs/dumb_diloco.md, "Master outer loop", "Past the specification").
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class OuterLoop:
             self.transport, delta_layout(self.state.published(share=True)), self.max_file_bytes, allowed
         )
         self._pending: dict[tuple[str, int, str], Candidate] = {}  # waiting for the quorum; summed in _sum
-        self._sum = RunningSum()  # step 5 as the deltas arrive: the pending deltas' weighted sum
+        self._sum, self._round_nodes = RunningSum(), None  # step 5 as the deltas arrive: their weighted sum
         self._processed_paths: dict[str, tuple[str, int]] = {}  # path -> (node, step): processed, in the repo
         self._last_lease_write = -math.inf
         self.fenced = ""  # non-empty: another master holds the lease; this one no longer publishes
@@ -174,7 +174,7 @@ class OuterLoop:
             self.deltas_rejected += len(result.rejected)
             self._ledger_dirty |= bool(result.rejected)
             if valid:
-                mean = self._sum.mean()  # 5
+                mean = self._sum.mean(self._round_nodes)  # 5: per node in a quorum round, else per delta
                 result.pseudo_grad_norm = math.sqrt(  # float64 accumulation, no float64 copy
                     sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in mean.values())
                 )
@@ -241,10 +241,10 @@ class OuterLoop:
         nodes = len(senders) + len(self.intake.finished(revision) - senders)  # a finished node sends no more
         if not self._pending or (nodes < quorum and not flush):
             if self._pending:
-                log.info(
-                    f"master: {self.pending} delta(s) of {nodes} node(s) pending, waiting for {quorum} nodes"
-                )
+                log.info(f"master: {self.pending} delta(s) of {nodes} node(s) pending, waiting for {quorum}")
             return []
+        expected = quorum - nodes + len(senders)  # a flush below the quorum: the nodes still expected
+        self._round_nodes = max(len(senders), expected) if self.min_deltas_per_round else None
         valid = list(self._pending.values())
         self._pending.clear()
         return valid
