@@ -16,16 +16,15 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from diloco.dumb_diloco import tensor_format as tf
+from diloco.dumb_diloco.aggregation import is_delta_tensor, pseudo_gradient
 from diloco.dumb_diloco.tensor_format import (
     DeltaMeta,
     InvalidTensorFile,
     decode,
     delta_path,
     encode,
-    is_delta_tensor,
     parse_delta_path,
     parse_header,
-    pseudo_gradient,
     validate_node_id,
 )
 

@@ -375,8 +375,7 @@ def validate(cfg: DictConfig) -> None:
                 "train.log_every", "train.eval_every", "train.checkpoint_every"):  # fmt: skip
         block, name = key.split(".")
         _number(getattr(c, block), name, f"{block}.", 0, strict=False)
-    if not c.train.slowdown >= 1:
-        raise ConfigError(f"train.slowdown must be >= 1 (a factor on the step time), got {c.train.slowdown}")
+    _number(c.train, "slowdown", "train.", 1, strict=False)  # a factor on a slow shard's step time
     betas = list(c.optim.betas)
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {betas}")
@@ -410,12 +409,9 @@ def _check_commit_budget(cfg: DictConfig) -> None:
     """A Hub repository cannot take more than its commit limit: refuse such a plan before anything runs."""
     from diloco.dumb_diloco.budget import config_budget, on_hub  # light: no Hub client
 
-    budget = config_budget(cfg)
-    verdict = budget.verdict() if budget is not None else None
-    if verdict and verdict[0] == "refuse" and on_hub(cfg.distributed.repo_id):
-        raise ConfigError(
-            f"distributed.expected_step_seconds={cfg.distributed.expected_step_seconds:g}: {verdict[1]}"
-        )
+    verdict = budget.verdict() if (budget := config_budget(cfg)) is not None else None
+    if verdict and verdict[0] == "refuse" and on_hub((d := cfg.distributed).repo_id):
+        raise ConfigError(f"distributed.expected_step_seconds={d.expected_step_seconds:g}: {verdict[1]}")
 
 
 def _check_data(data: schema.DataConfig) -> None:

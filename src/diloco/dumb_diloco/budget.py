@@ -12,9 +12,11 @@ poll), and without a lease a ledger-only write at most once per LEDGER_EVERY_S w
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
+HUB_REPO_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a Hub `namespace/name` (else a directory)
 HUB_COMMITS_PER_HOUR = 128  # the Hub's limit per repository: above it, refused
 WARN_COMMITS_PER_HOUR = 100  # planned rate above this: warned (no margin left for retries and restarts)
 LEDGER_EVERY_S = 60.0  # without a lease, rejections reach the published ledger within this long
@@ -113,8 +115,6 @@ def config_budget(cfg: Any) -> CommitBudget | None:
 
 def on_hub(repo_id: Any) -> bool:
     """A Hub `namespace/name` repository, or no repository yet (the paper runs' default is the Hub)."""
-    from .hub import HUB_REPO_ID_RE
-
     return not isinstance(repo_id, str) or not repo_id.strip() or bool(HUB_REPO_ID_RE.fullmatch(repo_id))
 
 

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from diloco.schema import RetryConfig
 
-from .budget import HUB_COMMITS_PER_HOUR
+from .budget import HUB_COMMITS_PER_HOUR, HUB_REPO_ID_RE
 from .store import (
     FileTooLarge,
     PermanentError,
@@ -43,7 +43,6 @@ from .tensor_format import DEFAULT_MAX_HEADER_BYTES, SafetensorsHeader, read_hea
 
 logger = logging.getLogger("diloco.dumb_diloco.transport")
 
-HUB_REPO_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _TOKEN_RE = re.compile(r"(hf_|api_org_)[A-Za-z0-9]{6,}")
 T = TypeVar("T")
 # (absolute time on the transport's clock, what it bounds); per thread: a new thread starts without one

@@ -28,13 +28,14 @@ import torch
 
 from diloco.model import weights_sha256
 
+from .aggregation import pseudo_gradient
 from .budget import pace_warning
 from .install import translate
 from .master import OuterLoop
 from .recovery import GlobalSnapshot, MasterState, delta_layout, state_layout
 from .settings import DumbDiLoCoError, Settings
 from .startup import GlobalReader
-from .tensor_format import DeltaMeta, InvalidTensorFile, delta_path, encode, parse_header, pseudo_gradient
+from .tensor_format import DeltaMeta, InvalidTensorFile, delta_path, encode, parse_header
 from .transport import HubTransport, PermanentError, RemoteNotFound, Transport
 
 log = logging.getLogger("diloco.dumb_diloco")
@@ -274,11 +275,8 @@ class Node:
         if (err := future.exception()) is None:
             n, sha = future.result()
             self.last_uploaded = (job.local_step, sha)
-            self.uploads, self.bytes_uploaded, self.last_delta_bytes = (
-                self.uploads + 1,
-                self.bytes_uploaded + n,
-                n,
-            )
+            self.uploads, self.last_delta_bytes = self.uploads + 1, n
+            self.bytes_uploaded += n
             log.info(f"node {self.s.node_id}: uploaded {job.path} ({n} bytes, {job.seconds:.2f}s)")
             return
         self.upload_failures += 1

@@ -22,8 +22,9 @@ import torch
 
 from diloco.outer import OuterOptimizer
 
+from .aggregation import is_delta_tensor
 from .directory import write_atomic
-from .tensor_format import InvalidTensorFile, decode, encode, is_delta_tensor
+from .tensor_format import InvalidTensorFile, decode, encode
 from .transport import RemoteNotFound, Transport
 
 log = logging.getLogger("diloco.dumb_diloco")
