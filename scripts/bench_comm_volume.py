@@ -180,6 +180,7 @@ def _measured_dumb(out: Path, h: int, rounds: int) -> dict:
 
 def encoded_sizes() -> dict:
     from diloco.dumb_diloco import tensor_format as tf
+    from diloco.dumb_diloco.aggregation import pseudo_gradient
     from diloco.model import build_model
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -188,7 +189,7 @@ def encoded_sizes() -> dict:
     cfg = compose_overrides([*SMALL])
     model = build_model(cfg.model, seed=0)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    delta = tf.pseudo_gradient(state, state)
+    delta = pseudo_gradient(state, state)
     meta = tf.DeltaMeta(node_id="node-1", local_step=10, base_outer_step=0).to_header()
     return {
         "delta_bytes": len(tf.encode(delta, meta)),

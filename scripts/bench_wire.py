@@ -1,7 +1,7 @@
 """Benchmark 3 (issue #7): the DumbDiLoCo wire format against a plain file write/read of the same bytes.
 
 A node delta of a model's shape (float32 and float16) goes through the project's own code:
-`tensor_format.pseudo_gradient`, `tensor_format.encode` (safetensors + payload SHA-256),
+`aggregation.pseudo_gradient`, `tensor_format.encode` (safetensors + payload SHA-256),
 `DirectoryTransport.write` (staged, fsynced, committed), `DirectoryTransport.read`,
 `tensor_format.decode` (header checks, SHA-256, load, finite check). The floors are a plain
 `write()`/`read()` of a bytes object of the same size to/from a file in the same directory, and
@@ -29,6 +29,7 @@ import bench_common as bc
 import torch
 
 from diloco.dumb_diloco import tensor_format as tf
+from diloco.dumb_diloco.aggregation import pseudo_gradient
 from diloco.dumb_diloco.transport import DirectoryTransport
 
 
@@ -49,7 +50,7 @@ def make_delta(shapes: dict[str, tuple[int, ...]], seed: int = 0) -> dict[str, t
     gen = torch.Generator().manual_seed(seed)
     baseline = {n: torch.randn(s, generator=gen) * 0.02 for n, s in shapes.items()}
     current = {n: b + 1e-3 * torch.randn(b.shape, generator=gen) for n, b in baseline.items()}
-    return tf.pseudo_gradient(baseline, current)  # the project's own delta: float32(base) - float32(cur)
+    return pseudo_gradient(baseline, current)  # the project's own delta: float32(base) - float32(cur)
 
 
 def rchar() -> int | None:
