@@ -64,6 +64,14 @@ FAMILIES = {  # the order runs are started in
         "150m/diloco_8w_h500_fp16",
     ],
     "tiny": ["tiny/ddp_1x", "tiny/ddp_mx", "tiny/diloco_fp32", "tiny/diloco_fp16", "tiny/dumb_diloco"],
+    # issue 13: compressed pseudo-gradients and streaming fragments against FP32 (results/tiny-compress)
+    "tiny-compress": [
+        "tiny/diloco_fp32",
+        "tiny/diloco_int8",
+        "tiny/diloco_int4",
+        "tiny/diloco_stream_p4",
+        "tiny/diloco_stream_p4_int4",
+    ],
 }
 
 
@@ -299,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
             return 0
-        if args.family == "tiny":
+        if args.family.startswith("tiny"):  # every CPU-scale family runs here
             for name in names:
                 run_local(name, args.runs, args.override)
             return 0
