@@ -108,6 +108,17 @@ def topology(cfg: DictConfig) -> dict:
     return {"mode": mode, "nodes": nodes, "gpus_per_node": gpus, "world_size": world, "workers": workers}
 
 
+def wire_bytes(params: int, dcfg: DictConfig) -> float:
+    """Bytes of one worker's pseudo-gradient on the wire: `pseudo_grad_dtype`'s size, or for int8/int4
+    the codes plus one bfloat16 scale per `quant_block_size` values (diloco.quant.payload_bytes)."""
+    from diloco import quant
+
+    dtype = dcfg.get("pseudo_grad_dtype", "float32")
+    if dtype in quant.QUANT_BITS:
+        return quant.payload_bytes(params, quant.QUANT_BITS[dtype], dcfg.get("quant_block_size", 256))
+    return params * DTYPE_BYTES[dtype]
+
+
 def volume(cfg: DictConfig, params: int) -> dict:
     """Tokens and bytes per worker over the whole run (analytic)."""
     topo = topology(cfg)
@@ -116,10 +127,8 @@ def volume(cfg: DictConfig, params: int) -> dict:
     mode = topo["mode"]
     if mode == "ddp":
         per_step = params * 4
-    elif mode == "diloco":
-        per_step = params * DTYPE_BYTES[cfg.distributed.pseudo_grad_dtype] / cfg.distributed.inner_steps
-    elif mode == "dumb_diloco":
-        per_step = params * 4 / cfg.distributed.inner_steps  # upload; downloads add about as much again
+    elif mode in ("diloco", "dumb_diloco"):  # DumbDiLoCo: the upload; downloads add about as much again
+        per_step = wire_bytes(params, cfg.distributed) / cfg.distributed.inner_steps
     else:
         per_step = 0
     return {
