@@ -41,33 +41,41 @@ from pathlib import Path
 import bench_common as bc
 import torch
 
-from diloco import comm
+from diloco import comm, quant
 
 PAPER_PARAMS = 214_983_680  # 150M, every parameter (the pseudo-gradient covers them all)
 PAPER_H = 500
 PAPER_WORKERS = 8
 PAPER_STEP_S = 1.65
 TARGET_ASYNC = 0.99
+TARGET_STREAMING_10MBIT = 0.95  # issue 13: overlap + 4-bit at 10 Mbit/s paper-equivalent
 BANDWIDTHS_MBIT = [10, 100, 1000, 10000]
 
 
 class RingTimedCollective(comm.Collective):
     """A group of one whose all-reduce takes the time a ring all-reduce of `workers` would take on a
-    link of `bytes_per_s`: 2(W-1)/W x bytes / bytes_per_s (sleeping), so the math stays exact."""
+    link of `bytes_per_s`: 2(W-1)/W x bytes / bytes_per_s (sleeping), so the math stays exact; the two
+    shots of int8/int4 averaging, (W-1)/W x bytes each, take the same time for their payload."""
 
     def __init__(self, bytes_per_s: float, workers: int):
         super().__init__()
         self.bytes_per_s, self.workers = bytes_per_s, workers
 
-    def _sleep(self, t: torch.Tensor) -> None:
-        ring = 2 * (self.workers - 1) / self.workers
-        time.sleep(ring * t.numel() * t.element_size() / self.bytes_per_s)
+    def _sleep(self, t: torch.Tensor, shots: int) -> None:
+        share = shots * (self.workers - 1) / self.workers
+        time.sleep(share * t.numel() * t.element_size() / self.bytes_per_s)
 
-    def _all_reduce(self, t, op):
-        self._sleep(t)
+    def _all_reduce(self, t, op):  # ring: reduce-scatter + all-gather, each (W-1)/W of the payload
+        self._sleep(t, shots=2)
+
+    # int8/int4 (diloco.quant) in a group of one: all-to-all of the whole payload, (W-1)/W of it leaves;
+    # all-gather of what is here the whole mean, of which W workers would each own 1/W: (W-1)/W again
+    def _all_to_all(self, t):
+        self._sleep(t, shots=1)
+        return t
 
     def _all_gather(self, t):
-        self._sleep(t)
+        self._sleep(t, shots=1)
         return t.unsqueeze(0)
 
     def _broadcast(self, t, src):
@@ -98,6 +106,13 @@ class Timed:
         """(wall seconds, blocked seconds) of the steps after step `after` (the warm-up round)."""
         last = max(self.ends)
         return self.ends[last] - self.ends[after], sum(b for s, b in self.blocked.items() if s > after)
+
+
+def payload(n: int, dtype: str) -> float:
+    """Bytes of one worker's pseudo-gradient of n values in `dtype` (quant.payload_bytes for int4)."""
+    if dtype in quant.QUANT_BITS:
+        return quant.payload_bytes(n, quant.QUANT_BITS[dtype], 256)
+    return comm.WIRE_DTYPES[dtype].itemsize * n
 
 
 def run_trainer(overrides: list[str], patch_build=None) -> tuple[dict, Timed]:
@@ -195,9 +210,10 @@ def main(argv=None) -> int:
         "optim.lr=3e-3", "optim.warmup_steps=10", "optim.total_steps=1000", "device=cpu", "wandb.mode=disabled",
         "resume=never",
     ]  # fmt: skip
-    modes = ["DiLoCo FP32", "DiLoCo FP16", "DumbDiLoCo v2"]
+    modes = ["DiLoCo FP32", "DiLoCo FP16", "DiLoCo int4", "DiLoCo int4 P=4 overlap", "DumbDiLoCo v2"]
     if args.tiny:
-        h, rounds, bandwidths, modes = 1, 1, [100], ["DiLoCo FP32", "DumbDiLoCo v2"]
+        h, rounds, bandwidths = 2, 1, [100]
+        modes = ["DiLoCo FP32", "DiLoCo int4 P=4 overlap", "DumbDiLoCo v2"]
         base += ["data.seq_len=64", "train.batch_size=4", "train.micro_batch_size=4"]
     steps = h * (rounds + 1)  # the first round is warm-up, not measured
     logging.getLogger("diloco").setLevel(logging.WARNING)
@@ -219,17 +235,23 @@ def main(argv=None) -> int:
             paper_bps = mbit * 1e6 / 8
             bps = paper_bps * scale
             for mode in modes:
-                name = f"{mode.replace(' ', '-')}-{mbit:g}"
+                name = f"{mode.replace(' ', '-').replace('=', '')}-{mbit:g}"
                 if mode.startswith("DiLoCo"):
-                    dtype = "float32" if "32" in mode else "float16"
+                    dtype = next(d for d in ("float32", "float16", "int4") if d[-2:] in mode.split()[1])
                     over = [
                         "distributed=diloco", f"distributed.inner_steps={h}", f"distributed.pseudo_grad_dtype={dtype}",
                         "distributed.fp16_scaling=false", "distributed.cosine_sample_size=0",
                     ]  # fmt: skip
+                    fragments = 1
+                    if "overlap" in mode:  # Streaming DiLoCo: 4 fragments, each overlapped with tau steps
+                        fragments = min(4, h)
+                        over += [f"distributed.fragments={fragments}", f"distributed.overlap_steps={max(1, h // 10)}",
+                                 "distributed.fragment_alpha=0.5"]  # fmt: skip
                     summary, timed = run_trainer(
                         [*common, f"run_name={name}", *over], diloco_builder(bps, args.workers)
                     )
-                    bytes_round = comm.WIRE_DTYPES[dtype].itemsize * n * 2 * (args.workers - 1) / args.workers
+                    # every fragment synced once a round: the round's bytes are one whole payload
+                    bytes_round = payload(n, dtype) * 2 * (args.workers - 1) / args.workers
                 else:
                     repo, state = tmp / f"repo-{mbit:g}", tmp / f"state-{mbit:g}"
                     build, box = dumb_builder(bps, repo, state, h, poll=max(h * step_s / 4, 0.05))
@@ -249,7 +271,7 @@ def main(argv=None) -> int:
                 wall, blocked = timed.window(after=h)
                 util = 1 - blocked / wall
                 analytic = None
-                if mode.startswith("DiLoCo"):  # this run's own compute time, the modelled ring time
+                if mode.startswith("DiLoCo") and "overlap" not in mode:  # own compute, modelled ring time
                     inner = wall - blocked
                     analytic = inner / (inner + rounds * bytes_round / bps)
                 rows.append(
@@ -261,7 +283,9 @@ def main(argv=None) -> int:
                         "utilization": util,
                         "analytic": analytic,
                         "tokens/s vs no-comm": wall0 / wall,
-                        "target": TARGET_ASYNC if mode.startswith("Dumb") else None,
+                        "target": TARGET_ASYNC
+                        if mode.startswith("Dumb")
+                        else (TARGET_STREAMING_10MBIT if "overlap" in mode else None),
                         # the price of asynchrony on a slow link is staleness, not stall
                         "new globals installed": summary["outer/installs"] - 1
                         if mode.startswith("Dumb")
@@ -283,6 +307,13 @@ def main(argv=None) -> int:
         if r["mode"].startswith("Dumb")
     ]
     verdicts += [
+        f"{r['mode']} at {r['paper-equivalent link']}: utilization {r['utilization']:.2%} (target >= "
+        f"{TARGET_STREAMING_10MBIT:.0%} at 10 Mbit/s): "
+        + ("met" if r["utilization"] >= TARGET_STREAMING_10MBIT else "NOT met")
+        for r in rows
+        if "overlap" in r["mode"] and r["Mbit/s"] == 10
+    ]
+    verdicts += [
         f"{r['mode']} at {r['paper-equivalent link']}: utilization {r['utilization']:.2%} (analytic "
         f"{r['analytic']:.2%})"
         for r in rows
@@ -297,6 +328,11 @@ def main(argv=None) -> int:
         "Analytic (sync): c / (c + rounds x 2(W-1)/W x payload / link), c = the run's own time outside the "
         "strategy; the gap to the measured value is the outer step's own compute (pseudo-gradient, cast, Nesterov).",
         "FP16 here is the plain cast (fp16_scaling=false), as in the paper's FP16 runs.",
+        "int4: 4-bit codes + a bfloat16 scale per 256 values (0.51 bytes per value, 7.88x fewer than FP32), "
+        "averaged in two shots (all-to-all, all-gather; diloco.quant), each (W-1)/W of the payload on the wire.",
+        f"int4 P=4 overlap: Streaming DiLoCo with 4 fragments, each synced once per round at its own offset, its "
+        f"outer step applied tau = {max(1, h // 10)} inner step(s) later (H/10; 50 steps of H=500 at paper scale) "
+        "with mixing alpha 0.5; the transfer runs on a thread during those steps.",
         f"New globals installed: globals the DumbDiLoCo worker installed during its {rounds + 1} rounds (besides the "
         "first). On a slow link a delta and a global each take most of a round to cross it, so the worker trains "
         "on while its view of the global model falls behind: the cost of asynchrony there is staleness, not stall.",
@@ -331,7 +367,8 @@ def plot_utilization(rows: list[dict], out: Path) -> str:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    styles = {"DiLoCo FP32": "o-", "DiLoCo FP16": "s-", "DumbDiLoCo v2": "^-"}
+    styles = {"DiLoCo FP32": "o-", "DiLoCo FP16": "s-", "DiLoCo int4": "d-", "DiLoCo int4 P=4 overlap": "v-",
+              "DumbDiLoCo v2": "^-"}  # fmt: skip
     for mode, style in styles.items():
         pts = sorted((r["Mbit/s"], r["utilization"], r["analytic"]) for r in rows if r["mode"] == mode)
         if not pts:

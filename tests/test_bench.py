@@ -145,7 +145,7 @@ def test_throttled_transport_takes_size_over_bandwidth(tmp_path):
 @pytest.mark.slow  # runs the real trainer end to end
 def test_utilization(tmp_path):
     record = run_tiny("bench_utilization", tmp_path)
-    assert {r["mode"] for r in record["rows"]} == {"DiLoCo FP32", "DumbDiLoCo v2"}
+    assert {r["mode"] for r in record["rows"]} == {"DiLoCo FP32", "DiLoCo int4 P=4 overlap", "DumbDiLoCo v2"}
     for r in record["rows"]:
         assert 0 < r["utilization"] <= 1
 

@@ -232,7 +232,7 @@ def two_ranks():
     )  # fmt: skip
 
 
-DTYPES = ["float32", "float16", "bfloat16"]
+DTYPES = ["float32", "float16", "bfloat16", "int8", "int4"]  # int8/int4: gloo all-to-all + all-gather
 COLLECTIVE_TIMEOUT = 2.0  # the hung-peer scenario's group timeout (s)
 
 

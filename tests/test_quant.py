@@ -52,11 +52,15 @@ def test_every_worker_gets_the_mean_of_what_was_sent_and_bytes_are_the_payload(d
         return out, coll.sent
 
     results = run_threads(w, worker)
-    expected = sum(_by_hand(x, bits, 128) for x in xs) / w
+    # two shots (quant.py): each worker's codes, summed in FP32 by the chunk's owner, the mean's codes;
+    # 3 chunks of 256 (whole blocks of 128) cover the 700 values
+    padded = [torch.cat([x, torch.zeros(3 * 256 - n)]) for x in xs]
+    expected = _by_hand(sum(_by_hand(x, bits, 128) for x in padded) / w, bits, 128)[:n]
     for out, sent in results:
         assert torch.equal(out, results[0][0])  # bit for bit the same on every worker
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
-        assert sent == {f"pseudo_grad_{dtype}": payload_bytes(n, bits, 128)}
+        # one payload per worker: W-1 chunks to their owners, and its own chunk of the mean
+        assert sent == {f"pseudo_grad_{dtype}": payload_bytes(3 * 256, bits, 128)}
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
@@ -70,13 +74,36 @@ def test_error_feedback_loses_nothing_over_rounds(dtype):
         for _ in range(5):
             g = torch.randn(500, generator=gen) * 1e-2
             fed += g.double()
-            before = avg.residuals.get(0, torch.zeros(500)).clone()
+            before = avg.residuals.get(0, torch.zeros(512))[:500].clone()
             avg.average_(g.clone(), [500])
-            sent += (g + before - avg.residuals[0]).double()  # v - residual = what was quantized and sent
-        return fed, sent + avg.residuals[0].double()
+            sent += (g + before - avg.residuals[0][:500]).double()  # v - residual = what was quantized
+        return fed, sent + avg.residuals[0][:500].double()
 
     for fed, accounted in run_threads(2, worker):
         torch.testing.assert_close(accounted, fed, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_what_arrives_plus_every_residual_is_the_mean_of_the_inputs(dtype):
+    """Both quantizations feed back: over rounds, what every worker received + the owners' residuals of
+    the mean + the mean of the workers' own residuals == the mean of the pseudo-gradients."""
+    w, n, rounds = 3, 700, 4
+
+    def worker(r, coll):
+        avg = QuantizedAverager(coll, dtype, block_size=64, error_feedback=True)
+        gen = torch.Generator().manual_seed(20 + r)
+        fed, got = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+        for _ in range(rounds):
+            g = torch.randn(n, generator=gen) * 1e-2
+            fed += g.double()
+            got += avg.average_(g.clone(), [n]).double()
+        own = coll.all_gather(avg.residuals[0]).double().mean(0)  # the workers' residuals, averaged
+        mean = coll.all_gather(avg.mean_residuals[0]).double().view(-1)  # the owners' chunks, in order
+        fed_mean = coll.all_gather(fed.float()).double().mean(0)
+        return got + (own + mean)[:n], fed_mean
+
+    for accounted, fed_mean in run_threads(w, worker):
+        torch.testing.assert_close(accounted, fed_mean, rtol=0, atol=1e-6)
 
 
 def test_error_feedback_makes_the_time_average_converge_to_the_float32_mean():
@@ -125,6 +152,8 @@ def test_resumed_int4_run_equals_uninterrupted_bit_for_bit(tmp_path, stop=3):
     sf = torch.load(checkpoint.latest(full) / "rank0.pt", weights_only=True)["strategy"]
     residuals = sf["averager"]["residuals"]
     assert residuals and all(t.abs().sum() > 0 for t in residuals.values())
+    # one worker: its mean is its own decoded codes, which quantize to themselves (nothing more lost)
+    assert sf["averager"]["mean_residuals"].keys() == residuals.keys()
     rounds = [r for r in read_metrics(full) if "outer/round" in r]
     assert all(0 < r["comm/cast_rel_error"] < 0.5 for r in rounds)
     assert all(r["comm/bytes_int4"] == r["comm/bytes"] for r in rounds)

@@ -1,6 +1,6 @@
 """Averaging tensors across DiLoCo workers: the narrow seam between the algorithm and the network.
 
-`Collective` is the seam: in-place sum/max, all-gather and broadcast of one flat tensor among the
+`Collective` is the seam: in-place sum/max, all-gather, all-to-all and broadcast of one tensor among the
 members of one group. `TorchCollective` implements it with torch.distributed (gloo on CPU, nccl on
 GPU), `InProcessCollective` with threads of one process (tests, and W simulated workers in one
 process), `SoloCollective` for a group of one. Everything above the seam is shared, so a test that
@@ -74,6 +74,14 @@ class Collective:
         self._count(tag, t, start)
         return out
 
+    def all_to_all(self, t: torch.Tensor, tag: str = "other") -> torch.Tensor:
+        """[size, n] -> [size, n]: row r of the result is member r's row `rank`. Counts the rows that
+        leave this member (its own row stays)."""
+        start = time.perf_counter()
+        out = self._all_to_all(t)
+        self._count(tag, t[: t.shape[0] - 1], start)
+        return out
+
     def broadcast_(self, t: torch.Tensor, src: int, tag: str = "other") -> None:
         start = time.perf_counter()
         self._broadcast(t, src)
@@ -83,6 +91,9 @@ class Collective:
         raise NotImplementedError
 
     def _all_gather(self, t):
+        raise NotImplementedError
+
+    def _all_to_all(self, t):
         raise NotImplementedError
 
     def _broadcast(self, t, src):
@@ -100,6 +111,9 @@ class SoloCollective(Collective):
 
     def _all_gather(self, t):
         return t.unsqueeze(0)
+
+    def _all_to_all(self, t):
+        return t
 
     def _broadcast(self, t, src):
         pass
@@ -136,6 +150,11 @@ class TorchCollective(Collective):
         out = [torch.empty_like(t) for _ in range(self.size)]
         self._run("all-gather", lambda: dist.all_gather(out, t, group=self.group), t)
         return torch.stack(out)
+
+    def _all_to_all(self, t):
+        out = torch.empty_like(t)
+        self._run("all-to-all", lambda: dist.all_to_all_single(out, t.contiguous(), group=self.group), t)
+        return out
 
     def _broadcast(self, t, src):
         src_global = dist.get_global_rank(self.group, src) if self.group is not None else src
@@ -203,6 +222,9 @@ class InProcessCollective(Collective):
 
     def _all_gather(self, t):
         return torch.stack(self._exchange(t))
+
+    def _all_to_all(self, t):
+        return torch.stack([row[self.rank] for row in self._exchange(t)])
 
     def _broadcast(self, t, src):
         t.copy_(self._exchange(t)[src])

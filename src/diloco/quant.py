@@ -7,12 +7,20 @@ Wire format of one flat FP32 bucket of n elements, blocks of `block` elements (t
             int4: n'/2 bytes, two codes in [-7, 7] per byte (low nibble first), stored as code + 8
     scales  bfloat16, one per block: absmax(block) / qmax, so x ~= code * scale
 
-Nothing is summed in low precision: every worker all-gathers the others' payloads (codes + scales, one
-uint8 tensor) and sums the dequantized FP32 values in rank order, so every worker computes the same
-mean bit for bit. Error feedback (Seide et al. 2014; Karimireddy et al. 2019, EF-SGD): each worker adds
-what quantization lost last round to this round's pseudo-gradient before quantizing, and keeps the new
-loss, so over rounds nothing is dropped (sum of what was sent + the residual = sum of the inputs).
-The residuals (one FP32 copy of the buckets this rank averages) are checkpointed: resume stays exact.
+Averaging is a quantized reduce-scatter and all-gather (INTELLECT-1's int8 all-reduce, in two shots),
+so each worker sends 2(W-1)/W payloads per round, as a ring all-reduce of the codes would: the bucket is
+cut into W chunks of whole blocks; every worker quantizes its pseudo-gradient and sends chunk j's codes
+to worker j (all-to-all); worker j dequantizes the W codes of its chunk, sums them in FP32 in rank order
+and divides by W, quantizes that mean once more and all-gathers it. Nothing is summed in low precision,
+and every worker decodes the same gathered codes, so all get the same mean bit for bit. (All-gathering
+every worker's codes instead costs (W-1) payloads per worker: W/2 times more at W > 2.)
+
+Error feedback (Seide et al. 2014; Karimireddy et al. 2019, EF-SGD) at both quantizations: each worker
+adds what quantization lost last round to this round's pseudo-gradient before quantizing and keeps the
+new loss; the owner of a chunk does the same for the chunk's mean. Over rounds nothing is dropped: what
+arrived + the owners' residuals + the mean of the workers' residuals = the mean of the inputs. The
+residuals (FP32, one bucket's worth per worker plus one chunk per owner) are checkpointed: resume stays
+exact.
 """
 
 from __future__ import annotations
@@ -64,7 +72,7 @@ def dequantize(payload: torch.Tensor, n: int, bits: int, block: int, out: torch.
 
 class QuantizedAverager:
     """Mean over the members of `coll` of flat FP32 buckets sent as int8/int4 codes (module docstring).
-    `key` names a bucket, for its error-feedback residual."""
+    `key` names a bucket, for its error-feedback residuals."""
 
     def __init__(self, coll: Collective, dtype: str, block_size: int = 256, error_feedback: bool = True):
         if dtype not in QUANT_BITS:
@@ -76,28 +84,45 @@ class QuantizedAverager:
         self.coll, self.dtype, self.bits, self.block = coll, dtype, QUANT_BITS[dtype], block_size
         self.wire = torch.uint8
         self.error_feedback = error_feedback
-        self.residuals: dict[int, torch.Tensor] = {}
+        self.residuals: dict[int, torch.Tensor] = {}  # this worker's, per bucket (padded to W chunks)
+        self.mean_residuals: dict[int, torch.Tensor] = {}  # the mean's, per bucket, of the chunk it owns
         self.cast = CastStats()
 
-    def encode(self, flat: torch.Tensor, key: int = 0) -> torch.Tensor:
-        """This member's payload for bucket `key`; with error feedback flat becomes v = flat + residual and
-        the residual v - decode(payload)."""
-        if self.error_feedback and key in self.residuals:
-            flat.add_(self.residuals[key])  # v = pseudo_grad + what was lost last round
-        payload = quantize(flat, self.bits, self.block)
-        sent = dequantize(payload, flat.numel(), self.bits, self.block)
-        self._measure(flat, sent)
+    def _quantize(self, v: torch.Tensor, residuals: dict, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes of v + residual, what they decode to); keeps the new residual. v: [rows, chunk]."""
+        if self.error_feedback and key in residuals:
+            v.add_(residuals[key].view_as(v))  # + what was lost last round
+        rows, chunk = v.shape
+        payload = quantize(v.view(-1), self.bits, self.block)
+        sent = dequantize(payload, v.numel(), self.bits, self.block).view_as(v)
         if self.error_feedback:
-            self.residuals[key] = torch.sub(flat, sent, out=self.residuals.get(key))  # v - Q(v)
-        return payload
+            r = residuals.get(key)
+            residuals[key] = torch.sub(v, sent, out=None if r is None else r.view_as(v)).view(-1)
+        return _as_rows(payload, rows, chunk * self.bits // 8), sent
+
+    def _decode_rows(self, rows: torch.Tensor, chunk: int) -> torch.Tensor:
+        """[k, payload of one chunk] -> FP32 [k, chunk]."""
+        cb = chunk * self.bits // 8
+        payload = torch.cat([rows[:, :cb].reshape(-1), rows[:, cb:].reshape(-1)])
+        return dequantize(payload, rows.shape[0] * chunk, self.bits, self.block).view(rows.shape[0], chunk)
 
     def average_(self, flat: torch.Tensor, sizes: list[int], key: int = 0) -> torch.Tensor:
-        """flat (FP32 [n]) <- the mean over all members of what each sends for it."""
-        rows = self.coll.all_gather(self.encode(flat, key), tag=f"pseudo_grad_{self.dtype}")  # [W, bytes]
-        flat.zero_()
-        for row in rows:  # rank order: every member adds in the same order, the same mean everywhere
-            flat.add_(dequantize(row, flat.numel(), self.bits, self.block))
-        return flat.div_(self.coll.size)
+        """flat (FP32 [n]) <- the mean over all members of what each sends for it (module docstring)."""
+        w, n = self.coll.size, flat.numel()
+        chunk = -(-n // (w * self.block)) * self.block  # whole blocks, so a block never spans two chunks
+        v = flat.new_zeros(w, chunk)  # flat, zero-padded to W chunks (flat is written only at the end)
+        v.view(-1)[:n].copy_(flat)
+        rows, sent = self._quantize(v, self.residuals, key)
+        self._measure(v.view(-1)[:n], sent.view(-1)[:n])
+        tag = f"pseudo_grad_{self.dtype}"
+        got = self.coll.all_to_all(rows, tag=tag)  # row i: worker i's codes of the chunk this one owns
+        mine = torch.zeros(1, chunk, dtype=flat.dtype, device=flat.device)
+        for row in self._decode_rows(got, chunk):  # rank order: the same sum on whichever worker owns it
+            mine[0].add_(row)
+        mine.div_(w)
+        mean_rows, _ = self._quantize(mine, self.mean_residuals, key)
+        gathered = self.coll.all_gather(mean_rows[0], tag=tag)  # [W, one chunk's codes]
+        return flat.copy_(self._decode_rows(gathered, chunk).view(-1)[:n])
 
     def _measure(self, v: torch.Tensor, sent: torch.Tensor) -> None:
         v64 = v.double()
@@ -117,7 +142,17 @@ class QuantizedAverager:
         c.numel += v.numel()
 
     def state_dict(self) -> dict:
-        return {"residuals": {k: t.cpu() for k, t in self.residuals.items()}}
+        return {
+            "residuals": {k: t.cpu() for k, t in self.residuals.items()},
+            "mean_residuals": {k: t.cpu() for k, t in self.mean_residuals.items()},
+        }
 
     def load_state_dict(self, state: dict, device: torch.device) -> None:
-        self.residuals = {int(k): t.to(device, copy=True) for k, t in state.get("residuals", {}).items()}
+        for name in ("residuals", "mean_residuals"):
+            setattr(self, name, {int(k): t.to(device, copy=True) for k, t in state.get(name, {}).items()})
+
+
+def _as_rows(payload: torch.Tensor, rows: int, code_bytes: int) -> torch.Tensor:
+    """quantize's [codes of every row, scales of every row] -> [rows, codes + scales of that row]."""
+    codes, scales = payload[: rows * code_bytes], payload[rows * code_bytes :]
+    return torch.cat([codes.view(rows, -1), scales.view(rows, -1)], dim=1)
