@@ -32,9 +32,12 @@ def measure_dtype(dtype: str, bits: int, pseudo_grad: torch.Tensor, args) -> lis
     payload_n = payload_bytes(n, bits, 256)
     bw = bc.copy_bandwidth(nbytes=4 * n, repeats=3)["gb_per_s"] * bc.GB
     encode = bc.measure(
-        lambda: avg.encode(v, 0), args.repeats, args.warmup, setup=lambda: v.copy_(pseudo_grad)
+        lambda: avg.encode(v.view(1, -1), avg.residuals, 0),
+        args.repeats,
+        args.warmup,
+        setup=lambda: v.copy_(pseudo_grad),
     )
-    payload = avg.encode(v.copy_(pseudo_grad), 0)
+    payload = avg.encode(v.copy_(pseudo_grad).view(1, -1), avg.residuals, 0)[0].view(-1)
     decode = bc.measure(lambda: mean.add_(dequantize(payload, n, bits, 256)), args.repeats, args.warmup)
     rows = []
     for what, m, floor_bytes in (

@@ -88,8 +88,9 @@ class QuantizedAverager:
         self.mean_residuals: dict[int, torch.Tensor] = {}  # the mean's, per bucket, of the chunk it owns
         self.cast = CastStats()
 
-    def _quantize(self, v: torch.Tensor, residuals: dict, key: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes of v + residual, what they decode to); keeps the new residual. v: [rows, chunk]."""
+    def encode(self, v: torch.Tensor, residuals: dict, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes of v + residual, what they decode to) as [rows, one chunk's payload]; keeps the new
+        residual in residuals[key]. v: [rows, chunk], chunk a whole number of blocks; v becomes v + residual."""
         if self.error_feedback and key in residuals:
             v.add_(residuals[key].view_as(v))  # + what was lost last round
         rows, chunk = v.shape
@@ -112,7 +113,7 @@ class QuantizedAverager:
         chunk = -(-n // (w * self.block)) * self.block  # whole blocks, so a block never spans two chunks
         v = flat.new_zeros(w, chunk)  # flat, zero-padded to W chunks (flat is written only at the end)
         v.view(-1)[:n].copy_(flat)
-        rows, sent = self._quantize(v, self.residuals, key)
+        rows, sent = self.encode(v, self.residuals, key)
         self._measure(v.view(-1)[:n], sent.view(-1)[:n])
         tag = f"pseudo_grad_{self.dtype}"
         got = self.coll.all_to_all(rows, tag=tag)  # row i: worker i's codes of the chunk this one owns
@@ -120,7 +121,7 @@ class QuantizedAverager:
         for row in self._decode_rows(got, chunk):  # rank order: the same sum on whichever worker owns it
             mine[0].add_(row)
         mine.div_(w)
-        mean_rows, _ = self._quantize(mine, self.mean_residuals, key)
+        mean_rows, _ = self.encode(mine, self.mean_residuals, key)
         gathered = self.coll.all_gather(mean_rows[0], tag=tag)  # [W, one chunk's codes]
         return flat.copy_(self._decode_rows(gathered, chunk).view(-1)[:n])
 

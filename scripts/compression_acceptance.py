@@ -1,0 +1,176 @@
+"""Issue 13's acceptance record: compressed pseudo-gradients and streaming fragments against FP32 DiLoCo
+in the tiny family, per seed.
+
+    python scripts/compression_acceptance.py --runs runs/cmp --seeds 1337 1 --out results/tiny-compress
+
+reads `<runs>-s<seed>/<run_name>/summary.json` and `metrics.jsonl` of every config below, as made by
+
+    python scripts/replicate.py --family tiny-compress --runs <runs>-s<seed> --override seed=<seed>
+
+and writes <out>/summary.json and <out>/table.md: held-out perplexity per seed, mean and spread, the
+gap of the means to FP32, bytes per round and peak bytes per sync against FP32 (measured, from the
+summaries), the mean relative L2 quantization error per round, and a verdict per bar of the issue.
+A perplexity bar is one-sided: a config passes when its mean is at most the bar above FP32's. Runs
+must be of a clean commit (a dirty one is refused); the record names every run's commit.
+`--dumb FP32_PREFIX,INT4_PREFIX` adds DumbDiLoCo (the master's final global) in FP32 and in int4.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = "tiny-diloco-fp32"
+# run name: (what, perplexity bar against FP32, bytes per round at least this much fewer, peak bar)
+BARS = {
+    "tiny-diloco-int8": ("int8 + error feedback", 0.005, 3.97, None),
+    "tiny-diloco-int4": ("4-bit + error feedback", 0.01, 7.88, None),
+    "tiny-diloco-stream-p4": ("Streaming, P=4 (FP32)", 0.01, None, 4.0),
+    "tiny-diloco-stream-p4-int4": ("Streaming, P=4, tau=1, alpha=0.5, 4-bit", None, None, None),
+}
+DUMB = "tiny-dumb-diloco-node-0"
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def read(run_dir: Path) -> dict:
+    s = json.loads((run_dir / "summary.json").read_text())
+    if str(s.get("git_commit", "")).endswith("-dirty"):
+        raise SystemExit(f"{run_dir}: made from a dirty tree; rerun it from a commit")
+    errors = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            m = json.loads(line)
+            if "comm/cast_rel_error" in m:
+                errors.append(m["comm/cast_rel_error"])
+    keys = ("final_eval_perplexity", "git_commit", "wall_seconds", "tokens_seen", "step", "status")
+    keys += ("comm/total_bytes", "comm/peak_bytes_per_sync", "outer/rounds", "outer/bytes_uploaded")
+    out = {k: s.get(k) for k in keys} | {"path": str(run_dir)}
+    out["cast_rel_error"] = statistics.fmean(errors) if errors else None
+    return out
+
+
+def spread(values: list[float]) -> dict:
+    return {"per_seed": values, "mean": statistics.fmean(values), "spread": max(values) - min(values)}
+
+
+def judge(prefix: str, seeds: list[int]) -> dict:
+    runs = {
+        name: [read(Path(f"{prefix}-s{seed}") / name) for seed in seeds]
+        for name in [BASE, *BARS]
+        if all((Path(f"{prefix}-s{seed}") / name / "summary.json").exists() for seed in seeds)
+    }
+    base = runs[BASE]
+    ppl0 = spread([r["final_eval_perplexity"] for r in base])
+    rows = {BASE: {"what": "FP32 (the baseline)", "ppl": ppl0, "runs": base}}
+    for name, (what, ppl_bar, bytes_bar, peak_bar) in BARS.items():
+        if name not in runs:
+            continue
+        rs = runs[name]
+        ppl = spread([r["final_eval_perplexity"] for r in rs])
+        gap = ppl["mean"] / ppl0["mean"] - 1
+        fewer = base[0]["comm/total_bytes"] / rs[0]["comm/total_bytes"]  # same rounds: per round too
+        peak = base[0]["comm/peak_bytes_per_sync"] / rs[0]["comm/peak_bytes_per_sync"]
+        verdicts = {}
+        if ppl_bar is not None:
+            verdicts["perplexity"] = "PASS" if gap <= ppl_bar else "FAIL"
+        if bytes_bar is not None:
+            verdicts["bytes"] = "PASS" if fewer >= bytes_bar * 0.999 else "FAIL"
+        if peak_bar is not None:
+            verdicts["peak"] = "PASS" if peak >= peak_bar * 0.999 else "FAIL"
+        rows[name] = {
+            "what": what, "ppl": ppl, "gap_of_means": gap,
+            "gap_per_seed": [r["final_eval_perplexity"] / b["final_eval_perplexity"] - 1 for r, b in zip(rs, base)],
+            "bytes_fewer": fewer, "peak_fewer": peak, "cast_rel_error": [r["cast_rel_error"] for r in rs],
+            "bars": {"perplexity": ppl_bar, "bytes": bytes_bar, "peak": peak_bar}, "verdicts": verdicts, "runs": rs,
+        }  # fmt: skip
+    return rows
+
+
+def dumb(prefixes: str, seeds: list[int]) -> dict:
+    """DumbDiLoCo in FP32 and in int4: the master's final perplexity, bytes per uploaded delta."""
+    fp32, int4 = prefixes.split(",")
+    out = {}
+    for kind, prefix in (("float32", fp32), ("int4", int4)):
+        rs = [read(Path(f"{prefix}-s{seed}") / DUMB) for seed in seeds]
+        out[kind] = {"ppl": spread([r["final_eval_perplexity"] for r in rs]), "runs": rs}
+    gap = out["int4"]["ppl"]["mean"] / out["float32"]["ppl"]["mean"] - 1
+    out["gap_of_means"], out["verdict"] = gap, "PASS" if gap <= 0.01 else "FAIL"
+    return out
+
+
+def table(rows: dict) -> list[str]:
+    lines = [
+        "| config | perplexity per seed | mean ± spread | gap of means | gap per seed | bytes per round "
+        "(x fewer) | peak bytes per sync (x fewer) | quantization error | verdicts |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        per = ", ".join(f"{p:.2f}" for p in r["ppl"]["per_seed"])
+        cells = [f"`{name}`: {r['what']}", per, f"{r['ppl']['mean']:.2f} ± {r['ppl']['spread']:.2f}"]
+        if name == BASE:
+            b = r["runs"][0]
+            cells += ["-", "-", f"{b['comm/total_bytes'] / b['outer/rounds']:,.0f} B",
+                      f"{b['comm/peak_bytes_per_sync']:,} B", "-", "-"]  # fmt: skip
+        else:
+            errs = [e for e in r["cast_rel_error"] if e is not None]
+            cells += [
+                f"{r['gap_of_means']:+.1%}", ", ".join(f"{g:+.1%}" for g in r["gap_per_seed"]),
+                f"{r['bytes_fewer']:.2f}x", f"{r['peak_fewer']:.2f}x",
+                f"{statistics.fmean(errs):.3f}" if errs else "-",
+                ", ".join(f"{k} {v}" for k, v in r["verdicts"].items()) or "-",
+            ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", required=True, help="prefix of the run folders: <runs>-s<seed>")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1337, 1])
+    ap.add_argument("--dumb", help="FP32_PREFIX,INT4_PREFIX of DumbDiLoCo runs (tiny/dumb_diloco)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "tiny-compress"))
+    args = ap.parse_args()
+    rows = judge(args.runs, args.seeds)
+    record = {
+        "command": f"python scripts/compression_acceptance.py --runs {args.runs} --seeds "
+        + " ".join(map(str, args.seeds))
+        + (f" --dumb {args.dumb}" if args.dumb else ""),
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": bool(_git("status", "--porcelain")),
+        "machine": f"{platform.node()} {platform.machine()}",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "configs": rows,
+    }
+    lines = table(rows)
+    if args.dumb:
+        d = record["dumb"] = dumb(args.dumb, args.seeds)
+        per = {k: ", ".join(f"{p:.2f}" for p in d[k]["ppl"]["per_seed"]) for k in ("float32", "int4")}
+        up = {k: [r["outer/bytes_uploaded"] for r in d[k]["runs"]] for k in ("float32", "int4")}
+        lines += [
+            "",
+            f"DumbDiLoCo (the master's final global): FP32 {per['float32']} "
+            f"(mean {d['float32']['ppl']['mean']:.2f}), int4 {per['int4']} (mean {d['int4']['ppl']['mean']:.2f}): "
+            f"gap of means {d['gap_of_means']:+.1%}, within 1%: {d['verdict']}; bytes uploaded by the master's "
+            f"node {up['float32']} vs {up['int4']}",
+        ]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    commits = sorted({r["git_commit"][:10] for row in rows.values() for r in row["runs"]})
+    print(f"runs at commit(s) {', '.join(commits)}; record {out}/summary.json")
+
+
+if __name__ == "__main__":
+    main()
