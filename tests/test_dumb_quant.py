@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 
 import pytest
@@ -401,6 +402,21 @@ def test_the_whole_config_is_refused_before_anything_is_built():
     )
     with pytest.raises(ConfigError, match=r"distributed\.quant_block_size must be even"):
         validate(cfg)
+
+
+def test_the_configuration_table_lists_the_quantization_keys_with_their_defaults():
+    from pathlib import Path
+
+    import yaml
+    from omegaconf import OmegaConf
+    from trainer_utils import compose_cfg
+
+    d = OmegaConf.to_container(compose_cfg(["distributed=dumb_diloco"]).distributed, resolve=False)
+    text = (Path(__file__).resolve().parents[1] / "docs" / "dumb_diloco.md").read_text()
+    section = text[text.index("## Configuration") : text.index("## Repository layout")]
+    rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", section, flags=re.M))
+    for key in ("pseudo_grad_dtype", "error_feedback", "quant_block_size"):
+        assert key in rows and yaml.safe_load(rows[key]) == d[key], key
 
 
 # ------------------------------------------------------------------ end to end, in process
