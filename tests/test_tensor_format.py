@@ -408,7 +408,8 @@ def test_delta_meta_round_trip_through_a_file():
         ({"local_step": "1e3"}, "non-negative integer"),
         ({"base_outer_step": None}, "missing"),
         ({"node_id": "../x"}, "bad delta metadata"),
-        ({"dtype": "int8"}, "bad delta metadata"),
+        ({"dtype": "int3"}, "bad delta metadata"),
+        ({"dtype": "int8"}, "'quant_block_size' is missing"),  # int8 is a delta dtype since issue 13
         ({"created_at": "yesterday"}, "bad delta metadata"),
         ({"format_version": "2"}, "bad delta metadata"),
     ],

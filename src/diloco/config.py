@@ -212,11 +212,8 @@ def typed(block: Any, node_type: type, prefix: str) -> Any:
         key = getattr(e, "full_key", None) or ""
         if isinstance(e, ConfigKeyError) and key:  # a key the schema does not declare
             candidates = [prefix + k for k in _schema_keys(node_type, "")]
-            where = (
-                f"a key of distributed mode {block.get('mode')}"
-                if prefix == "distributed."
-                else "a config key"
-            )
+            mode = f"a key of distributed mode {block.get('mode')}"
+            where = mode if prefix == "distributed." else "a config key"
             raise ConfigError(unknown_key_error(prefix + key, candidates, where)) from None
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"{prefix}{key}: {reason}" if key else f"{prefix.rstrip('.')}: {reason}") from None
@@ -278,12 +275,7 @@ def check_distributed(block: Any) -> Any:
         _number(d, "inner_steps", p, 1, strict=False, integer=True)
         _number(d, "outer_lr", p, 0)
         _number(d, "outer_momentum", p, 0, strict=False, hi=1)
-        _one_of(d, "pseudo_grad_dtype", p, WIRE_DTYPES)
-        if d.error_feedback and d.pseudo_grad_dtype not in ("int8", "int4"):
-            raise ConfigError(f"{p}error_feedback applies to pseudo_grad_dtype int8 or int4 only")
-        _number(d, "quant_block_size", p, 2, strict=False, integer=True)
-        if d.quant_block_size % 2:
-            raise ConfigError(f"{p}quant_block_size must be even (4-bit codes are packed in pairs)")
+        _check_quantization(d, p, WIRE_DTYPES)
         _number(d, "fragments", p, 1, strict=False, integer=True, hi=d.inner_steps + 1)
         _number(d, "overlap_steps", p, 0, strict=False, integer=True, hi=d.inner_steps)
         _number(d, "fragment_alpha", p, 0, strict=False, hi=1)
@@ -295,6 +287,15 @@ def check_distributed(block: Any) -> Any:
     if mode == "dumb_diloco":
         check_dumb_diloco(d)
     return d
+
+
+def _check_quantization(d: Any, p: str, dtypes: tuple[str, ...]) -> None:
+    _one_of(d, "pseudo_grad_dtype", p, dtypes)  # DiLoCo's and DumbDiLoCo's (both diloco.quant)
+    if d.error_feedback and d.pseudo_grad_dtype not in ("int8", "int4"):
+        raise ConfigError(f"{p}error_feedback applies to pseudo_grad_dtype int8 or int4 only")
+    _number(d, "quant_block_size", p, 2, strict=False, integer=True)
+    if d.quant_block_size % 2:
+        raise ConfigError(f"{p}quant_block_size must be even (4-bit codes are packed in pairs)")
 
 
 def check_dumb_diloco(d: Any) -> None:
@@ -328,6 +329,7 @@ def check_dumb_diloco(d: Any) -> None:
     _number(d, "expected_step_seconds", p, 0, strict=False)
     _number(d, "timeout_seconds", p, 0)
     _one_of(d, "install", p, ("replace", "translate"))
+    _check_quantization(d, p, ("float32", "int8", "int4"))  # what the master decodes (delta_codec)
     if d.install_when_staged and d.install != "translate":
         raise ConfigError(
             f"{p}install_when_staged needs {p}install=translate (a replace mid-round loses work)"
@@ -342,8 +344,7 @@ def check_dumb_diloco(d: Any) -> None:
         )
     if d.max_file_bytes is not None:
         _number(d, "max_file_bytes", p, 0, integer=True)
-    for key in ("max_attempts",):
-        _number(d.retry, key, p + "retry.", 1, strict=False, integer=True)
+    _number(d.retry, "max_attempts", p + "retry.", 1, strict=False, integer=True)
     for key in ("base_delay_s", "max_delay_s", "max_total_s"):
         _number(d.retry, key, p + "retry.", 0, strict=False)
     for key in ("reset_inner_optimizer", "async_delta_upload", "async_global_poll", "publish_hf_config",
@@ -395,10 +396,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(f"precision must be auto, bf16 or fp32, got {c.precision!r}")
     _check_data(c.data)
     _check_model(c.model)
-    if c.data.seq_len > c.model.max_position_embeddings:
-        raise ConfigError(
-            f"data.seq_len={c.data.seq_len} exceeds model.max_position_embeddings={c.model.max_position_embeddings}"
-        )
+    if (n := c.data.seq_len) > (m := c.model.max_position_embeddings):
+        raise ConfigError(f"data.seq_len={n} exceeds model.max_position_embeddings={m}")
     if d.mode == "diloco":
         _check_evaluated_steps_are_boundaries(c.train, d.inner_steps)
     if d.mode == "dumb_diloco":

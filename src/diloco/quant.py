@@ -60,7 +60,7 @@ def dequantize(payload: torch.Tensor, n: int, bits: int, block: int, out: torch.
     """uint8 [payload_bytes(n)] -> FP32 [n] (into `out` when given)."""
     blocks = -(-n // block)
     code_bytes = blocks * block * bits // 8
-    scales = payload[code_bytes:].view(torch.bfloat16).float()  # [blocks]
+    scales = payload[code_bytes:].clone().view(torch.bfloat16).float()  # [blocks]; clone: 2-byte aligned
     codes = payload[:code_bytes].view(blocks, -1)
     if bits == 4:
         q = torch.stack([(codes & 0x0F), (codes >> 4)], dim=2).view(blocks, block).to(torch.int8) - 8

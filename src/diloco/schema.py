@@ -226,6 +226,10 @@ class DumbDiLoCoConfig:
     expected_step_seconds: float = 0
     install: str = "replace"  # replace (the spec: the global's weights) | translate (keep own progress)
     install_when_staged: bool = False  # translate only: install as soon as a global is staged, mid-round
+    # deltas on the wire (issue 13; dumb_diloco/delta_codec.py): float32 | int8 | int4 (diloco.quant)
+    pseudo_grad_dtype: str = "float32"
+    error_feedback: Optional[bool] = None  # int8/int4: on unless false; the node keeps what quantization lost
+    quant_block_size: int = 256  # int8/int4: elements per bfloat16 scale (even, >= 2)
     # a node of G ranks (torchrun --nproc_per_node G): a collective inside the node that waits longer fails
     # it; at least drain_timeout + shutdown_timeout, which the node's other ranks may wait for its rank 0
     timeout_seconds: float = 2400

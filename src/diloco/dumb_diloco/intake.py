@@ -2,8 +2,9 @@
 (the delta's identity: node_id, local_step, payload SHA-256), download and validate the payload.
 
 Invariants: a file is identified before it is downloaded; a delta is rejected with one reason (path,
-size, header, metadata, keys, shapes, float32, finite, SHA-256) or accepted whole; a transport error only
-postpones a file to the next poll (`transient`). Prose: docs/dumb_diloco.md ("Master outer loop").
+size, header, metadata, keys, shapes, float32 or int8/int4 payload sizes, finite, SHA-256) or accepted
+whole, as float32 (delta_codec: a quantized one dequantized); a transport error only postpones a file to
+the next poll (`transient`). Prose: docs/dumb_diloco.md ("Master outer loop").
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .delta_codec import WIRE_DTYPES, to_float32, wire_layout
 from .recovery import Ledger, LedgerEntry
 from .tensor_format import NODES_DIR, DeltaMeta, InvalidTensorFile, decode, parse_delta_path, validate_node_id
 from .transport import FileTooLarge, RemoteNotFound, Transport, TransportError
@@ -156,16 +158,16 @@ class Intake:
 
     def download(self, c: Candidate, revision: str) -> dict[str, torch.Tensor] | str | None:
         """The delta's tensors, a rejection reason (str), or None (transient failure: retried next poll).
-        The tensors are read-only views of the downloaded bytes (one copy of the file in memory, none made
-        by loading): read them, add them into a sum, and drop them."""
+        float32: read-only views of the downloaded bytes (one copy of the file in memory, none made by
+        loading); int8/int4: one dequantized float32 copy. Read them, add them into a sum, drop them."""
         if c.reason:
             return c.reason
         assert c.meta is not None
         if (c.meta.node_id, c.meta.local_step) != (c.node_id, c.local_step):
             said, path = f"{c.meta.node_id}@{c.meta.local_step}", f"{c.node_id}@{c.local_step}"
             return f"metadata says {said} but the path says {path}"
-        if c.meta.dtype != "float32":
-            return f"delta dtype is {c.meta.dtype}, expected float32"
+        if c.meta.dtype not in WIRE_DTYPES:
+            return f"delta dtype is {c.meta.dtype}, expected {', '.join(WIRE_DTYPES)}"
         try:
             blob = self.transport.read(c.path, revision, max_bytes=self.max_file_bytes)
         except FileTooLarge as err:
@@ -178,12 +180,13 @@ class Intake:
             return None
         self.bytes_downloaded += len(blob)
         try:
-            tensors, meta = decode(blob, max_bytes=self.max_file_bytes, expected=self.layout, views=True)
+            expected = wire_layout(self.layout, c.meta)  # float32: the model's; int8/int4: payload sizes
+            tensors, meta = decode(blob, max_bytes=self.max_file_bytes, expected=expected, views=True)
+            if meta.get("payload_sha256") != c.sha256:
+                return "the file changed between its header and its download"
+            return to_float32(tensors, c.meta, self.layout)  # quantized: dequantized, NaN/Inf refused
         except InvalidTensorFile as err:
             return err.reason
-        if meta.get("payload_sha256") != c.sha256:
-            return "the file changed between its header and its download"
-        return tensors
 
     # ---- duplicates, and the end of a run
 

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,13 @@ from diloco.model import weights_sha256
 
 from .aggregation import pseudo_gradient
 from .budget import pace_warning
+from .delta_codec import DeltaCodec
 from .install import translate
 from .master import OuterLoop
 from .recovery import GlobalSnapshot, MasterState, delta_layout, state_layout
 from .settings import DumbDiLoCoError, Settings
 from .startup import GlobalReader
-from .tensor_format import DeltaMeta, InvalidTensorFile, delta_path, encode, parse_header
+from .tensor_format import DeltaMeta, InvalidTensorFile, delta_path, parse_header
 from .transport import HubTransport, PermanentError, RemoteNotFound, Transport
 
 log = logging.getLogger("diloco.dumb_diloco")
@@ -76,6 +77,8 @@ class DeltaJob:
     carry: dict[str, torch.Tensor] | None = None  # a failed upload's delta, added to this one
     delta: dict[str, torch.Tensor] | None = None  # float32 pseudo-gradient, owned by the job
     seconds: float = 0.0
+    residual: dict[str, torch.Tensor] | None = None  # int8/int4: the codec's residual once this is uploaded
+    encoded: threading.Event = field(default_factory=threading.Event)  # set once the file is encoded
 
     def materialize(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
         """The delta, and the base's buffers when they are free for reuse. Idempotent."""
@@ -133,6 +136,7 @@ class Node:
         self._global_layout = state_layout(state)  # what a global must look like to be installed
         self._delta_keys = self.delta_keys = list(delta_layout(state))
         self.translating = settings.install == "translate"
+        self.codec = DeltaCodec.from_settings(settings)  # float32, or int8/int4 with error feedback
         # install.translate's state: the last installed global (delta keys), the newest own delta it
         # included, and the snapshots of the deltas no installed global includes yet (by local step)
         self.reference: dict[str, torch.Tensor] | None = None
@@ -193,6 +197,7 @@ class Node:
                     "still in flight (its progress stays in the next cumulative delta)"
                 )
             else:
+                self._collect_lanes()  # an upload that ended since the first collect: its carry counts
                 self._dispatch(self._capture(local_step))  # 3, 4
                 captured = True
         if boundary or self.clock() - self._last_poll >= self.s.poll_interval:
@@ -257,18 +262,19 @@ class Node:
         t0 = time.perf_counter()
         try:
             delta, free = job.materialize()
-            if (
-                free is not None and not self.translating
-            ):  # translating: the snapshot may still be a reference
+            if free is not None and not self.translating:  # translating: the snapshot may be a reference
                 self._free.append(free)  # the training thread takes it at the next capture, after this job
-            blob = encode(delta, job.meta.to_header())
+            blob, job.residual = self.codec.encode(delta, job.meta)  # int8/int4: delta + the residual
+            job.encoded.set()
             self.transport.write(
                 {job.path: blob}, message=f"{self.s.node_id}: delta at local step {job.local_step}"
             )
+            self.codec.commit(job.residual)  # uploaded: the master has Q(delta + residual)
             job.delta = None  # uploaded: freed here, not on the training thread (860 MB at 150M: ~30 ms)
             return len(blob), parse_header(blob).metadata["payload_sha256"]
         finally:
             job.seconds = time.perf_counter() - t0
+            job.encoded.set()  # also when it failed before encoding
 
     def _upload_done(self, job: DeltaJob, future: Future) -> None:
         self.last_upload_seconds = job.seconds
@@ -281,9 +287,7 @@ class Node:
             return
         self.upload_failures += 1
         self._fail_fast(err, f"uploading {job.path}")
-        self.pending_snapshots.pop(
-            job.local_step, None
-        )  # no global will include it: the next delta carries it
+        self.pending_snapshots.pop(job.local_step, None)  # no global will include it: the next delta does
         job.materialize()  # already done unless the failure came before the subtraction
         self._carry = job  # one job in flight: a capture took the previous carry into this job
         log.warning(
@@ -382,9 +386,7 @@ class Node:
             with torch.no_grad():
                 for k, t in self.model.state_dict().items():
                     t.copy_(snapshot.state[k])
-            if (
-                isinstance(self._baseline, _Snapshot) and not self.translating
-            ):  # reusable once no job reads it
+            if isinstance(self._baseline, _Snapshot) and not self.translating:  # no job reads it
                 self._free.append(self._baseline)
             self._baseline = {k: snapshot.state[k] for k in self._delta_keys}  # the snapshot is never mutated
             self.reference, self.pending_snapshots = dict(self._baseline), {}
@@ -422,6 +424,8 @@ class Node:
         m |= {f"comm/{k}": getattr(self, k) for k in comm.split()}
         if stall is not None:
             m["comm/boundary_stall_seconds"] = stall
+        if self.codec.bits:  # ||Q(v) - v|| / ||v|| of the last delta encoded (like DiLoCo's)
+            m["comm/cast_rel_error"] = self.codec.rel_error
         if (o := self.outer) is not None:
             m |= {
                 "outer/master_step": o.state.outer_step,
@@ -431,9 +435,7 @@ class Node:
                 "outer/deltas_rejected": o.deltas_rejected,
                 "outer/pseudo_grad_norm": o.last_pseudo_grad_norm,
                 "outer/pending_deltas": o.pending,
-                "outer/staleness_max": max(
-                    o.last_staleness, default=0
-                ),  # outer steps since each delta's base
+                "outer/staleness_max": max(o.last_staleness, default=0),  # outer steps since the base
                 "outer/staleness_mean": sum(o.last_staleness) / max(len(o.last_staleness), 1),
             }
         return m

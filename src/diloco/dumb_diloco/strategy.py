@@ -20,7 +20,7 @@ import torch
 
 from .ending import announce, await_final_status, send_final, wait_upload
 from .node import _COUNTERS, DeltaJob, Node, _Inline
-from .recovery import MasterState
+from .recovery import MasterState, delta_layout
 from .settings import Settings
 from .startup import await_quorum, connect, start_master
 from .tensor_format import DeltaMeta
@@ -184,8 +184,9 @@ class DumbDiLoCo(Node):
 
     def state_dict(self) -> dict:
         """Counters, the installed outer step and (master) the full outer state; past the spec, the
-        baseline, the steps since it and a failed upload's carry, so that a node restarted from this
-        checkpoint continues its inner loop exactly (its next delta is the uninterrupted one)."""
+        baseline, the steps since it, a failed upload's carry and (int8/int4) the error-feedback residual,
+        so that a node restarted from this checkpoint continues its inner loop exactly (its next delta is
+        the uninterrupted one). An upload in flight counts as done (its delta is in no carry)."""
         out: dict = {k: getattr(self, k) for k in _COUNTERS}
         out |= {
             "installed_outer_step": self.installed_outer_step,
@@ -197,6 +198,8 @@ class DumbDiLoCo(Node):
         if self.translating and self.reference is not None:  # install.translate's state (references)
             out["translate"] = {"reference": self.reference, "included_step": self.included_step}
             out["translate"]["pending"] = {str(k): v for k, v in self.pending_snapshots.items()}
+        if self.codec.error_feedback:  # int8/int4: the residual, as it is once the upload in flight succeeds
+            out["codec"] = self.codec.state_dict(self._upload[0] if self._upload is not None else None)
         if (c := self._carry) is not None:
             delta = {k: t.clone() for k, t in c.delta.items()}
             out["carry"] = {"delta": delta, "base_outer_step": c.meta.base_outer_step, "steps": c.steps}
@@ -214,6 +217,13 @@ class DumbDiLoCo(Node):
             self.last_uploaded = (int(last[0]), str(last[1]))
         if "master" in state and self.s.is_master:
             self.ckpt_master = MasterState.from_checkpoint(state["master"])
+        try:  # the error-feedback residual continues as it was (delta_codec)
+            if why := self.codec.load_state_dict(
+                state.get("codec", {}), delta_layout(self.model.state_dict())
+            ):
+                log.warning(f"node {self.s.node_id}: {why}")
+        except ValueError as err:
+            raise self.s.error(str(err)) from None
         if state.get("baseline"):  # continue that inner loop exactly (at a boundary: and a newer global)
             self._resume = state
 

@@ -50,7 +50,8 @@ _TORCH_DTYPES = {name: getattr(torch, attr) for name, attr in zip(_NAMES, _ATTRS
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _TORCH_DTYPES.items()}
 
 _INT_FIELDS = ("local_step", "base_outer_step", "tokens_since_baseline", "samples_since_baseline")
-_DELTA_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_DELTA_DTYPES = ("float32", "bfloat16", "float16", "float64", "int8", "int4")
+QUANT_DTYPES = ("int8", "int4")  # diloco.quant's blockwise codes: one uint8 payload per tensor
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _DELTA_NAME_RE = re.compile(r"^delta_(0|[1-9][0-9]*)\.safetensors$")
 
@@ -141,6 +142,7 @@ class DeltaMeta:
     created_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
     payload_sha256: str = ""  # filled in by `encode`; read back by `from_header`
     format_version: str = FORMAT_VERSION
+    quant_block_size: int = 0  # int8/int4: elements per bfloat16 scale (even, >= 2); 0 (unwritten) else
 
     def __post_init__(self) -> None:
         validate_node_id(self.node_id)
@@ -150,6 +152,9 @@ class DeltaMeta:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.dtype not in _DELTA_DTYPES:
             raise ValueError(f"dtype must be one of {_DELTA_DTYPES}, got {self.dtype!r}")
+        q = self.dtype in QUANT_DTYPES
+        if type(b := self.quant_block_size) is not int or (b < 2 or b % 2 if q else b != 0):
+            raise ValueError(f"quant_block_size must be {'even, >= 2' if q else 0} for {self.dtype}: {b!r}")
         try:
             datetime.fromisoformat(self.created_at.replace("Z", "+00:00"))
         except (TypeError, ValueError):
@@ -161,7 +166,8 @@ class DeltaMeta:
 
     def to_header(self) -> dict[str, str]:
         """Every field as a string under its own name (`__metadata__`); payload_sha256 once it is set."""
-        return {f.name: str(getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) != ""}
+        drop = "" if self.dtype in QUANT_DTYPES else "quant_block_size"  # a float delta has no block size
+        return {f.name: str(v) for f in fields(self) if (v := getattr(self, f.name)) != "" and f.name != drop}
 
     @classmethod
     def from_header(cls, meta: dict[str, str]) -> DeltaMeta:
@@ -169,9 +175,11 @@ class DeltaMeta:
         for key in ("format_version", "node_id", "dtype", "created_at"):
             if not isinstance(meta.get(key), str):
                 raise InvalidTensorFile(f"metadata field {key!r} is missing")
-        strings = {f.name: meta[f.name] for f in fields(cls) if f.name in meta and f.name not in _INT_FIELDS}
+        ints = _INT_FIELDS + (("quant_block_size",) if meta["dtype"] in QUANT_DTYPES else ())
+        skip = (*ints, "quant_block_size")  # a float delta's block size means nothing
+        strings = {f.name: meta[f.name] for f in fields(cls) if f.name in meta and f.name not in skip}
         try:
-            return cls(**strings, **{name: _parse_nonneg_int(meta, name) for name in _INT_FIELDS})
+            return cls(**strings, **{name: _parse_nonneg_int(meta, name) for name in ints})
         except ValueError as err:
             if isinstance(err, InvalidTensorFile):
                 raise
