@@ -12,7 +12,7 @@ gap of the means to FP32, bytes per round and peak bytes per sync against FP32 (
 summaries), the mean relative L2 quantization error per round, and a verdict per bar of the issue.
 A perplexity bar is one-sided: a config passes when its mean is at most the bar above FP32's. Runs
 must be of a clean commit (a dirty one is refused); the record names every run's commit.
-`--dumb FP32_PREFIX,INT4_PREFIX` adds DumbDiLoCo (the master's final global) in FP32 and in int4.
+With `--dumb`, DumbDiLoCo (tiny/dumb_diloco and tiny/dumb_diloco_int4, the master's final global) too.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ BARS = {
     "tiny-diloco-stream-p4": ("Streaming, P=4 (FP32)", 0.01, None, 4.0),
     "tiny-diloco-stream-p4-int4": ("Streaming, P=4, tau=1, alpha=0.5, 4-bit", None, None, None),
 }
-DUMB = "tiny-dumb-diloco-node-0"
+DUMB = {"float32": "tiny-dumb-diloco-node-0", "int4": "tiny-dumb-diloco-int4-node-0"}
 
 
 def _git(*args: str) -> str:
@@ -96,12 +96,11 @@ def judge(prefix: str, seeds: list[int]) -> dict:
     return rows
 
 
-def dumb(prefixes: str, seeds: list[int]) -> dict:
-    """DumbDiLoCo in FP32 and in int4: the master's final perplexity, bytes per uploaded delta."""
-    fp32, int4 = prefixes.split(",")
+def dumb(prefix: str, seeds: list[int]) -> dict:
+    """DumbDiLoCo in FP32 and in int4: the master's final perplexity, bytes its node uploaded."""
     out = {}
-    for kind, prefix in (("float32", fp32), ("int4", int4)):
-        rs = [read(Path(f"{prefix}-s{seed}") / DUMB) for seed in seeds]
+    for kind, name in DUMB.items():
+        rs = [read(Path(f"{prefix}-s{seed}") / name) for seed in seeds]
         out[kind] = {"ppl": spread([r["final_eval_perplexity"] for r in rs]), "runs": rs}
     gap = out["int4"]["ppl"]["mean"] / out["float32"]["ppl"]["mean"] - 1
     out["gap_of_means"], out["verdict"] = gap, "PASS" if gap <= 0.01 else "FAIL"
@@ -137,14 +136,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", required=True, help="prefix of the run folders: <runs>-s<seed>")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1337, 1])
-    ap.add_argument("--dumb", help="FP32_PREFIX,INT4_PREFIX of DumbDiLoCo runs (tiny/dumb_diloco)")
+    ap.add_argument("--dumb", action="store_true", help="DumbDiLoCo FP32 vs int4 too")
     ap.add_argument("--out", default=str(ROOT / "results" / "tiny-compress"))
     args = ap.parse_args()
     rows = judge(args.runs, args.seeds)
     record = {
         "command": f"python scripts/compression_acceptance.py --runs {args.runs} --seeds "
         + " ".join(map(str, args.seeds))
-        + (f" --dumb {args.dumb}" if args.dumb else ""),
+        + (" --dumb" if args.dumb else ""),
         "commit": _git("rev-parse", "HEAD"),
         "dirty": bool(_git("status", "--porcelain")),
         "machine": f"{platform.node()} {platform.machine()}",
@@ -153,7 +152,7 @@ def main() -> None:
     }
     lines = table(rows)
     if args.dumb:
-        d = record["dumb"] = dumb(args.dumb, args.seeds)
+        d = record["dumb"] = dumb(args.runs, args.seeds)
         per = {k: ", ".join(f"{p:.2f}" for p in d[k]["ppl"]["per_seed"]) for k in ("float32", "int4")}
         up = {k: [r["outer/bytes_uploaded"] for r in d[k]["runs"]] for k in ("float32", "int4")}
         lines += [

@@ -71,6 +71,8 @@ FAMILIES = {  # the order runs are started in
         "tiny/diloco_int4",
         "tiny/diloco_stream_p4",
         "tiny/diloco_stream_p4_int4",
+        "tiny/dumb_diloco",
+        "tiny/dumb_diloco_int4",
     ],
 }
 
