@@ -25,51 +25,44 @@ def moves(worker: int, step: int) -> list[torch.Tensor]:
 def by_hand(
     fragments: int, tau: int, alpha: float, lr=0.7, mu=0.9, steps=STEPS, inner_steps=H
 ) -> list[list[torch.Tensor]]:
-    """Every worker's final weights, simulated tensor by tensor with torch.optim.SGD(nesterov=True)."""
+    """Every worker's final weights, simulated on the flattened parameters cut into P equal runs of
+    elements (as fragment_buckets cuts), one torch.optim.SGD(nesterov=True) parameter per fragment."""
     theta0 = [p.detach().clone() for p in TinyModel().parameters()]
-    sizes, owner = [p.numel() for p in theta0], []  # each tensor's fragment, as fragment_buckets cuts
-    total, seen = sum(sizes), 0
-    for s in sizes:
-        owner.append(min(fragments - 1, seen * fragments // total))
-        seen += s
-    glob = [t.clone() for t in theta0]
+    flat0 = torch.cat([t.reshape(-1) for t in theta0])
+    bounds = [f * flat0.numel() // fragments for f in range(fragments + 1)]
+
+    def cut(x: torch.Tensor) -> list[torch.Tensor]:
+        return [c.clone() for c in x.split([bounds[f + 1] - bounds[f] for f in range(fragments)])]
+
+    glob = cut(flat0)
     sgd = torch.optim.SGD(glob, lr=lr, momentum=mu, nesterov=True)
-    local = [[t.clone() for t in theta0] for _ in range(W)]
+    local = [cut(flat0) for _ in range(W)]
     offsets = {(f + 1) * inner_steps // fragments % inner_steps: f for f in range(fragments)}
-    in_flight = []  # (apply_at, fragment, mean pseudo-gradients by tensor index)
+
+    def apply(f: int, mean: torch.Tensor) -> None:
+        for i, g in enumerate(glob):
+            g.grad = mean if i == f else None
+        sgd.step()
+        for w in range(W):
+            local[w][f] = alpha * local[w][f] + (1 - alpha) * glob[f] if alpha else glob[f].clone()
+
+    in_flight = []  # (apply_at, fragment, mean pseudo-gradient of the fragment)
     for step in range(1, steps + 1):
         for w in range(W):
-            for t, d in zip(local[w], moves(w, step)):
-                t.sub_(d)
+            d = cut(torch.cat([m.reshape(-1) for m in moves(w, step)]))
+            local[w] = [t - dt for t, dt in zip(local[w], d)]
         for job in [j for j in in_flight if j[0] == step]:
             in_flight.remove(job)
-            _, f, mean = job
-            for i, g in enumerate(glob):
-                g.grad = mean[i] if owner[i] == f else None
-            sgd.step()
-            for w in range(W):
-                for i in range(len(glob)):
-                    if owner[i] == f:
-                        local[w][i] = (
-                            alpha * local[w][i] + (1 - alpha) * glob[i] if alpha else glob[i].clone()
-                        )
+            apply(job[1], job[2])
         f = offsets.get(step % inner_steps)
         if f is not None:
-            mean = {
-                i: sum(glob[i] - local[w][i] for w in range(W)) / W for i in range(len(glob)) if owner[i] == f
-            }
-            in_flight.append((step + tau, f, mean))
+            mean = sum(glob[f] - local[w][f] for w in range(W)) / W
             if tau == 0:  # applied at once, like the loop above would one step later
-                in_flight.pop()
-                for i, g in enumerate(glob):
-                    g.grad = mean.get(i)
-                sgd.step()
-                for w in range(W):
-                    for i in mean:
-                        local[w][i] = (
-                            alpha * local[w][i] + (1 - alpha) * glob[i] if alpha else glob[i].clone()
-                        )
-    return local
+                apply(f, mean)
+            else:
+                in_flight.append((step + tau, f, mean))
+    sizes = [t.numel() for t in theta0]
+    return [[v.view_as(t) for v, t in zip(torch.cat(lw).split(sizes), theta0)] for lw in local]
 
 
 def simulated(fragments: int, tau: int, alpha: float) -> list[list[torch.Tensor]]:
@@ -158,8 +151,8 @@ def test_a_sync_sends_one_fragment():
         return algo.summary()
 
     summaries = run_threads(2, worker)
-    # TinyModel: fragment 0 is fc1.weight (12 floats), fragment 1 the other 11 tensors' elements
-    assert sent[0] == sent[1] == [0, 12 * 4, 0, 11 * 4]
+    # TinyModel's 23 parameters: fragment 0 is the first 11 (of fc1.weight's 12), fragment 1 the other 12
+    assert sent[0] == sent[1] == [0, 11 * 4, 0, 12 * 4]
     assert summaries[0]["comm/peak_bytes_per_sync"] == 12 * 4
 
 
@@ -177,3 +170,22 @@ def test_resumed_streaming_run_equals_uninterrupted_bit_for_bit(tmp_path, stop):
     rounds = [(r["step"], r["outer/fragment"]) for r in read_metrics(full) if "outer/round" in r]
     # synced at 2, 4, 6, 8 and logged when applied, one step later: step 8's is still in flight at the end
     assert rounds == [(3, 0), (5, 1), (7, 0)]
+
+
+def test_fragments_are_equal_runs_of_elements_and_views_of_the_parameters():
+    """P fragments of the flattened parameters differ in size by at most one element, whatever the
+    tensor sizes (the peak bytes per sync is 1/P of the model's); a tensor across a boundary is split
+    into views that write through to the parameter."""
+    from diloco.diloco import fragment_buckets
+
+    params = [torch.nn.Parameter(torch.zeros(10)), torch.nn.Parameter(torch.zeros(3, 3))]
+    buckets, ids = fragment_buckets(params, 4, bucket_size_mb=1)
+    sizes = [sum(t.numel() for b in f for t in buckets[b]) for f in ids]
+    assert sizes == [4, 5, 5, 5]  # 19 elements: bounds 0, 4, 9, 14, 19
+    pieces = [t for f in ids for b in f for t in buckets[b]]
+    assert sum(t.numel() for t in pieces) == 19
+    with torch.no_grad():
+        for i, t in enumerate(pieces):
+            t.fill_(i + 1)  # every piece writes into its own parameter
+    assert torch.equal(torch.cat([p.reshape(-1) for p in params]), torch.cat([t.reshape(-1) for t in pieces]))
+    assert all(t is p or t._base is p for t, p in zip(pieces, [params[0]] * 3 + [params[1]] * 2))

@@ -58,15 +58,21 @@ def make_buckets(params: list[torch.Tensor], bucket_size_mb: float) -> list[list
 def fragment_buckets(
     params: list[torch.Tensor], fragments: int, bucket_size_mb: float
 ) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
-    """Streaming DiLoCo's fragments: P consecutive runs of parameters of about equal size, each cut into
-    buckets; returns the buckets and, per fragment, its bucket indices. P=1: make_buckets(params)."""
-    total, seen = sum(p.numel() for p in params), 0
+    """Streaming DiLoCo's fragments: P consecutive runs of equal size of the flattened parameters (a
+    tensor across a boundary is split into two flat views), each cut into buckets; returns the buckets
+    and, per fragment, its bucket indices. P=1: make_buckets(params)."""
+    total, start = sum(p.numel() for p in params), 0
+    if fragments > total:
+        raise ValueError(f"fragments={fragments} is more than this model's {total} parameters")
+    bounds = [f * total // fragments for f in range(fragments + 1)]
     groups: list[list[torch.Tensor]] = [[] for _ in range(fragments)]
     for p in params:
-        groups[min(fragments - 1, seen * fragments // total)].append(p)
-        seen += p.numel()
-    if not all(groups):
-        raise ValueError(f"fragments={fragments} is more than this model's {len(params)} parameter tensors")
+        end = start + p.numel()
+        for f in range(fragments):
+            lo, hi = max(start, bounds[f]), min(end, bounds[f + 1])
+            if lo < hi:  # the whole tensor, or its part in fragment f
+                groups[f].append(p if (lo, hi) == (start, end) else p.view(-1)[lo - start : hi - start])
+        start = end
     buckets, ids = [], []
     for g in groups:
         ids.append(list(range(len(buckets), len(buckets) + len(part := make_buckets(g, bucket_size_mb)))))
@@ -310,9 +316,9 @@ class DiLoCo:
                 torch._foreach_lerp_(params, theta, 1.0 - self.fragment_alpha)
             else:
                 torch._foreach_copy_(params, theta)
-            if self.reset_inner_optimizer:
+            if self.reset_inner_optimizer:  # a split tensor's state is its parameter's (p._base)
                 for p in params:
-                    self.inner_optimizer.state.pop(p, None)
+                    self.inner_optimizer.state.pop(p if p._base is None else p._base, None)
 
     def _round_metrics(self, norm: float) -> dict[str, float]:
         m = self.meter.finish(self.device)
