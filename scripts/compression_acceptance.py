@@ -53,7 +53,7 @@ def read(run_dir: Path) -> dict:
             if "comm/cast_rel_error" in m:
                 errors.append(m["comm/cast_rel_error"])
     keys = ("final_eval_perplexity", "git_commit", "wall_seconds", "tokens_seen", "step", "status")
-    keys += ("comm/total_bytes", "comm/peak_bytes_per_sync", "outer/rounds", "outer/bytes_uploaded")
+    keys += ("comm/total_bytes", "comm/peak_bytes_per_sync", "outer/rounds", "comm/delta_bytes")
     out = {k: s.get(k) for k in keys} | {"path": str(run_dir)}
     out["cast_rel_error"] = statistics.fmean(errors) if errors else None
     return out
@@ -104,6 +104,9 @@ def dumb(prefix: str, seeds: list[int]) -> dict:
         out[kind] = {"ppl": spread([r["final_eval_perplexity"] for r in rs]), "runs": rs}
     gap = out["int4"]["ppl"]["mean"] / out["float32"]["ppl"]["mean"] - 1
     out["gap_of_means"], out["verdict"] = gap, "PASS" if gap <= 0.01 else "FAIL"
+    # one delta file (the last one the master's node wrote), header included
+    out["delta_bytes"] = {k: out[k]["runs"][0]["comm/delta_bytes"] for k in DUMB}
+    out["delta_fewer"] = out["delta_bytes"]["float32"] / out["delta_bytes"]["int4"]
     return out
 
 
@@ -153,21 +156,30 @@ def main() -> None:
     lines = table(rows)
     if args.dumb:
         d = record["dumb"] = dumb(args.runs, args.seeds)
-        per = {k: ", ".join(f"{p:.2f}" for p in d[k]["ppl"]["per_seed"]) for k in ("float32", "int4")}
-        up = {k: [r["outer/bytes_uploaded"] for r in d[k]["runs"]] for k in ("float32", "int4")}
+        per = {k: ", ".join(f"{p:.2f}" for p in d[k]["ppl"]["per_seed"]) for k in DUMB}
         lines += [
             "",
-            f"DumbDiLoCo (the master's final global): FP32 {per['float32']} "
-            f"(mean {d['float32']['ppl']['mean']:.2f}), int4 {per['int4']} (mean {d['int4']['ppl']['mean']:.2f}): "
-            f"gap of means {d['gap_of_means']:+.1%}, within 1%: {d['verdict']}; bytes uploaded by the master's "
-            f"node {up['float32']} vs {up['int4']}",
+            "| DumbDiLoCo (the master's final global) | perplexity per seed | mean ± spread | gap of means "
+            "| bytes per delta file | x fewer | within 1% |",
+            "|---|---|---|---|---|---|---|",
         ]
+        for k in DUMB:
+            p = d[k]["ppl"]
+            last = [f"{d['gap_of_means']:+.1%}", f"{d['delta_bytes'][k]:,} B", f"{d['delta_fewer']:.2f}x",
+                    d["verdict"]] if k == "int4" else ["-", f"{d['delta_bytes'][k]:,} B", "-", "-"]  # fmt: skip
+            lines.append(
+                f"| `{DUMB[k]}` ({k}) | {per[k]} | {p['mean']:.2f} ± {p['spread']:.2f} | "
+                + " | ".join(last)
+                + " |"
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    commits = sorted({r["git_commit"][:10] for row in rows.values() for r in row["runs"]})
+    runs = [r for row in rows.values() for r in row["runs"]]
+    runs += [r for k in DUMB for r in record.get("dumb", {}).get(k, {}).get("runs", [])]
+    commits = sorted({r["git_commit"][:10] for r in runs})
     print(f"runs at commit(s) {', '.join(commits)}; record {out}/summary.json")
 
 
