@@ -70,6 +70,18 @@ def test_a_node_that_finished_counts_toward_the_quorum(tmp_path):
     assert torch.allclose(loop.state.weights["w"], W0 - LR * (2.0 + MU * 2.0), atol=1e-6)
 
 
+def test_without_a_quorum_the_master_reads_no_final_marker(tmp_path):
+    """With a quorum of 0 or 1 whether a node finished changes nothing in a round: its marker is not read."""
+    marker = {"node_id": "c", "state": "finished", "last_local_step": -1, "last_delta_sha256": ""}
+    for quorum in (0, 1, 2):
+        repo = Spy(DirectoryTransport(tmp_path / f"repo{quorum}"))
+        loop, _ = make_loop(repo, min_deltas_per_round=quorum)
+        repo.write({final_marker_path("c"): json.dumps(marker).encode()})
+        put_delta(repo, "a", 5, g(1.0))
+        assert [e.node_id for e in loop.run_once().applied] == ["a"]
+        assert repo.count("read", final_marker_path("c")) == (quorum == 2)
+
+
 def test_quorum_zero_is_the_spec_one_step_per_poll_with_a_delta(tmp_path):
     loop, repo = make_loop(tmp_path, state_dir=tmp_path / "state", publish=True)
     put_delta(repo, "a", 5, g(1.0))
