@@ -66,7 +66,7 @@ lint: setup  ## ruff
 	$(PY) -m ruff check src tests scripts
 	$(PY) -m ruff format --check src tests scripts
 
-test: setup lint  ## lint + the whole test suite (about 9 minutes on 2 idle cores with set-up; GPU tests skip without CUDA)
+test: setup lint  ## lint + the whole test suite (about 15 minutes on 2 idle cores with set-up; GPU tests skip without CUDA)
 	$(PY) -m pytest -q
 
 test-gpu: setup  ## the CUDA tests: bf16 eager and compiled steps, resume, DumbDiLoCo on the GPU

@@ -63,7 +63,7 @@ class TwoCopyCoordinator(DumbDiLoCo):
 
     def _capture(self, local_step):
         state = self.model.state_dict()
-        current = {k: state[k] for k in self._delta_keys}
+        current = {k: state[k] for k in self.delta_keys}
         job = super()._capture(local_step)
         job.materialize()  # the subtraction on the training thread, as before
         self._baseline = {k: t.detach().to("cpu", copy=True) for k, t in current.items()}  # a fresh copy

@@ -12,6 +12,7 @@ import torch
 from diloco.dumb_diloco.master import OuterLoop
 from diloco.dumb_diloco.recovery import MasterState
 from diloco.dumb_diloco.settings import Settings
+from diloco.dumb_diloco.store import Transport
 from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.tensor_format import (
     GLOBAL_STEP_PATH,
@@ -142,19 +143,45 @@ def settings(repo: Path | str, role: str = "worker", node_id: str = "w1", **kw) 
     return Settings(role=role, node_id=node_id, repo_id=str(repo), **(base | kw))
 
 
-def publish(transport, state: dict[str, torch.Tensor], outer_step: int) -> None:
-    """Publish a global exactly as the master does."""
+def make_loop(
+    repo: Path | Transport,
+    state: MasterState | dict[str, torch.Tensor] | None = None,
+    *,
+    lr: float = LR,
+    momentum: float = MU,
+    node_id: str = "m",
+    poll_interval: float = 1.0,
+    state_dir: Path | None = None,
+    max_file_bytes: int = 2**20,
+    publish: bool = False,
+    **kw,
+) -> tuple[OuterLoop, Transport]:
+    """A master's `OuterLoop` on `repo` (a transport, or a directory: a DirectoryTransport on <repo>/repo)
+    over `state` (a MasterState, or a model's state dict at outer step 0; default Tiny's), with the spec's
+    outer optimizer; `kw` goes to OuterLoop. `publish`: publish the global as a starting master does.
+    Returns the loop and its transport."""
+    transport = DirectoryTransport(repo / "repo") if isinstance(repo, Path) else repo
+    if state is None or isinstance(state, dict):
+        state = MasterState.from_model_state(Tiny().state_dict() if state is None else state)
     loop = OuterLoop(
         transport,
-        MasterState.from_model_state(state, outer_step),
-        node_id="m",
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        poll_interval=1.0,
-        state_dir=None,
-        max_file_bytes=2**20,
+        state,
+        node_id=node_id,
+        outer_lr=lr,
+        outer_momentum=momentum,
+        poll_interval=poll_interval,
+        state_dir=state_dir,
+        max_file_bytes=max_file_bytes,
+        **kw,
     )
-    loop.publish()
+    if publish:
+        loop.publish()
+    return loop, transport
+
+
+def publish(transport, state: dict[str, torch.Tensor], outer_step: int) -> None:
+    """Publish a global exactly as the master does."""
+    make_loop(transport, MasterState.from_model_state(state, outer_step), publish=True)
 
 
 def publish_raw(

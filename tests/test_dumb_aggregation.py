@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from dumb_helpers import put_delta
+from dumb_helpers import make_loop, put_delta
 
 from diloco.dumb_diloco.aggregation import RunningSum, average
 from diloco.dumb_diloco.master import OuterLoop
@@ -30,19 +30,10 @@ def deltas(n: int, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     return [{k: torch.randn(s, generator=gen) * 10 ** (i % 3) for k, s in SHAPES.items()} for i in range(n)]
 
 
-def make_loop(tmp_path, state: MasterState | None = None, **kw) -> OuterLoop:
-    state = state or MasterState.from_model_state({k: torch.full(s, 0.5) for k, s in SHAPES.items()})
-    return OuterLoop(
-        DirectoryTransport(tmp_path / "repo"),
-        state,
-        node_id="m",
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        poll_interval=0.05,
-        state_dir=tmp_path / "state",
-        max_file_bytes=2**20,
-        **kw,
-    )
+def shapes_loop(tmp_path, state: MasterState | None = None, **kw) -> OuterLoop:
+    """A master over SHAPES (every entry 0.5) that saves its state to tmp_path/state."""
+    state = state or {k: torch.full(s, 0.5) for k, s in SHAPES.items()}
+    return make_loop(tmp_path, state, poll_interval=0.05, state_dir=tmp_path / "state", **kw)[0]
 
 
 def expected_step(state: MasterState, mean: dict[str, torch.Tensor]) -> MasterState:
@@ -90,7 +81,7 @@ def held_tensor_bytes(obj, skip: tuple) -> int:
 
 def test_pending_deltas_hold_one_sum_however_many_wait(tmp_path):
     """Before: each pending delta's tensors stayed in memory until the quorum was met."""
-    loop = make_loop(tmp_path, min_deltas_per_round=5)
+    loop = shapes_loop(tmp_path, min_deltas_per_round=5)
     held = []
     for i, d in enumerate(deltas(4)):
         put_delta(loop.transport, f"n{i}", 1, d)
@@ -101,7 +92,7 @@ def test_pending_deltas_hold_one_sum_however_many_wait(tmp_path):
 
 
 def test_outer_loop_equal_weight_round_is_the_reference_bit_for_bit_and_restart_re_reads_pending(tmp_path):
-    loop = make_loop(tmp_path, min_deltas_per_round=3)
+    loop = shapes_loop(tmp_path, min_deltas_per_round=3)
     ds = deltas(3, seed=2)
     put_delta(loop.transport, "a", 1, ds[0])
     put_delta(loop.transport, "b", 1, ds[1])
@@ -109,7 +100,7 @@ def test_outer_loop_equal_weight_round_is_the_reference_bit_for_bit_and_restart_
     loop.save_state()
     # the master dies with two deltas pending (summed in memory, not in the ledger or the saved state)
     before = MasterState.load(tmp_path / "state")
-    again = make_loop(tmp_path, MasterState.load(tmp_path / "state"), min_deltas_per_round=3)
+    again = shapes_loop(tmp_path, MasterState.load(tmp_path / "state"), min_deltas_per_round=3)
     assert again.pending == 0 and len(again.state.ledger) == 0
     put_delta(loop.transport, "c", 1, ds[2])
     r = again.run_once()
@@ -124,7 +115,7 @@ def test_outer_loop_equal_weight_round_is_the_reference_bit_for_bit_and_restart_
 
 
 def test_outer_loop_staleness_weighted_round_is_the_reference(tmp_path):
-    loop = make_loop(tmp_path, staleness_weighting=True)
+    loop = shapes_loop(tmp_path, staleness_weighting=True)
     first, *ds = deltas(4, seed=3)
     put_delta(loop.transport, "a", 1, first, base=0)
     assert loop.run_once().outer_step == 1

@@ -9,12 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from dumb_helpers import Spy, Tiny
+from dumb_helpers import Spy, make_loop
 
 from diloco.config import ConfigError, validate
 from diloco.dumb_diloco.budget import CommitBudget, commit_budget, config_budget
-from diloco.dumb_diloco.master import OuterLoop
-from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, LEASE_PATH, MasterState
+from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, LEASE_PATH
 from diloco.dumb_diloco.transport import DirectoryTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -98,17 +97,7 @@ def test_a_plan_between_100_and_128_is_warned_about():
 
 def test_with_a_lease_the_ledger_waits_for_the_heartbeat_instead_of_a_commit_of_its_own(tmp_path):
     repo = Spy(DirectoryTransport(tmp_path / "repo"))
-    loop = OuterLoop(
-        repo,
-        MasterState.from_model_state(Tiny().state_dict()),
-        node_id="m",
-        outer_lr=0.7,
-        outer_momentum=0.0,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-        lease_seconds=300,
-    )
+    loop, _ = make_loop(repo, momentum=0.0, lease_seconds=300)
     assert loop.publish()  # global, ledger and lease in one write
     writes = repo.count("write")
     loop._ledger_dirty, loop._last_ledger_write = True, loop._last_ledger_write - 120  # rejections, 2 min on

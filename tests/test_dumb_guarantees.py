@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from dumb_helpers import LR, W0, Spy, Tiny, g, put_delta, settings, worker
+from dumb_helpers import W0, Spy, Tiny, g, make_loop, put_delta, settings, worker
 
 from diloco.dumb_diloco.intake import final_marker_path
-from diloco.dumb_diloco.master import OuterLoop
-from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, LEASE_PATH, MasterState
+from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, LEASE_PATH
 from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH, delta_path, encode
 from diloco.dumb_diloco.transport import DirectoryTransport, RemoteFile
@@ -79,17 +78,7 @@ def test_a_node_without_a_final_marker_is_named_once_drain_timeout_passed(tmp_pa
 
 def test_a_worker_uploads_its_tail_and_says_whether_the_master_applied_it(tmp_path):
     coord, spy, model = worker(tmp_path, inner_steps=3, poll_interval=0.01)
-    loop = OuterLoop(
-        spy.inner,
-        MasterState.from_model_state(model.state_dict()),
-        node_id="m",
-        outer_lr=LR,
-        outer_momentum=0.0,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-        published_step=0,
-    )
+    loop, _ = make_loop(spy.inner, model.state_dict(), momentum=0.0, published_step=0)
     for step in (1, 2, 3, 4):  # a boundary at 3, then one step the old node never uploaded
         with torch.no_grad():
             model.w.add_(0.1)
@@ -114,17 +103,7 @@ def test_a_worker_uploads_its_tail_and_says_whether_the_master_applied_it(tmp_pa
 
 def test_a_master_whose_lease_another_process_with_its_id_took_writes_nothing(tmp_path):
     repo = Spy(DirectoryTransport(tmp_path / "repo"))
-    loop = OuterLoop(
-        repo,
-        MasterState.from_model_state(Tiny().state_dict()),
-        node_id="m",
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-        lease_seconds=300,
-    )
+    loop, _ = make_loop(repo, lease_seconds=300)
     assert loop.publish()  # holds the lease
     took_over = json.loads(repo.read(LEASE_PATH)) | {"instance": "another-process"}  # same node id "m"
     repo.write({LEASE_PATH: json.dumps(took_over).encode()})
@@ -192,16 +171,7 @@ def test_every_file_under_nodes_is_on_the_published_ledger_and_a_copy_is_a_dupli
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    loop = OuterLoop(
-        Planted(repo),
-        MasterState.from_model_state(Tiny().state_dict()),
-        node_id="m",
-        outer_lr=LR,
-        outer_momentum=0.0,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-    )
+    loop, _ = make_loop(Planted(repo), momentum=0.0)
     assert loop.run_once().published  # a@3 applied, the rest rejected, all published with the global
     published = json.loads(repo.read(GLOBAL_LEDGER_PATH))["entries"]
     assert len(published) == 1 + len(hostile) + len(planted)

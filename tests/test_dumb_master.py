@@ -13,9 +13,8 @@ import time
 
 import pytest
 import torch
-from dumb_helpers import B0, LR, MU, W0, Spy, Tiny, g, put_delta, settings
+from dumb_helpers import B0, LR, MU, W0, Spy, Tiny, g, make_loop, put_delta, settings
 
-from diloco.dumb_diloco.master import OuterLoop
 from diloco.dumb_diloco.recovery import MasterState
 from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.tensor_format import (
@@ -35,18 +34,9 @@ pytestmark = pytest.mark.usefixtures("no_network")
 def setup(tmp_path):
     repo = Spy(DirectoryTransport(tmp_path / "repo"))
     snapshots = []
-    loop = OuterLoop(
-        repo,
-        MasterState.from_model_state(Tiny().state_dict()),
-        node_id="m",
-        outer_lr=LR,
-        outer_momentum=MU,
-        poll_interval=0.05,
-        state_dir=tmp_path / "state",
-        max_file_bytes=2**20,
-        on_snapshot=snapshots.append,
+    loop, _ = make_loop(
+        repo, poll_interval=0.05, state_dir=tmp_path / "state", publish=True, on_snapshot=snapshots.append
     )
-    loop.publish()
     return loop, repo, snapshots
 
 
@@ -210,16 +200,7 @@ def test_step7_publication_failure_is_retried_at_the_next_poll(setup):
 def test_complex_and_bf16_entries_go_through_float32(tmp_path):
     model = Tiny(complex_param=True, bf16=True)
     repo = DirectoryTransport(tmp_path / "repo")
-    loop = OuterLoop(
-        repo,
-        MasterState.from_model_state(model.state_dict()),
-        node_id="m",
-        outer_lr=1.0,
-        outer_momentum=0.0,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-    )
+    loop, _ = make_loop(repo, model.state_dict(), lr=1.0, momentum=0.0)
     delta = g(1.0) | {"z": torch.ones(2, 2), "h": torch.full((3,), 0.5)}
     put_delta(repo, "a", 1, delta)
     assert loop.run_once().applied
@@ -242,16 +223,7 @@ def test_step9_saved_state_resumes_exactly(setup, tmp_path):
     assert torch.equal(saved.weights["w"], loop.state.weights["w"])
     assert torch.equal(saved.momentum["w"], loop.state.momentum["w"])
     # a master restarted from the saved state continues exactly like the uninterrupted one
-    restarted = OuterLoop(
-        repo,
-        saved,
-        node_id="m",
-        outer_lr=LR,
-        outer_momentum=MU,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-    )
+    restarted, _ = make_loop(repo, saved)
     put_delta(repo, "a", 2, g(-1.0))
     assert [e.node_id for e in restarted.run_once().applied] == ["a"]  # a@1 and b@1 not re-applied
     loop.run_once()
@@ -315,17 +287,7 @@ def test_outer_thread_survives_errors_and_never_touches_the_live_model(tmp_path)
 
 def test_collaborators_is_an_allowlist(tmp_path, caplog):
     repo = DirectoryTransport(tmp_path / "repo")
-    loop = OuterLoop(
-        repo,
-        MasterState.from_model_state(Tiny().state_dict()),
-        node_id="m",
-        collaborators=["a"],
-        outer_lr=1.0,
-        outer_momentum=0.0,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-    )
+    loop, _ = make_loop(repo, lr=1.0, momentum=0.0, collaborators=["a"])
     for i, node in enumerate(("a", "m", "intruder")):  # distinct payloads: a copy would be a duplicate
         put_delta(repo, node, 1, g(1.0 + i))
     result = loop.run_once()
@@ -397,16 +359,7 @@ def test_master_prefers_the_newer_of_checkpoint_and_state_dir(tmp_path):
 
 def test_transient_write_errors_on_the_master_never_raise(tmp_path):
     repo = Spy(DirectoryTransport(tmp_path / "repo"))
-    loop = OuterLoop(
-        repo,
-        MasterState.from_model_state(Tiny().state_dict()),
-        node_id="m",
-        outer_lr=1.0,
-        outer_momentum=0.0,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-    )
+    loop, _ = make_loop(repo, lr=1.0, momentum=0.0)
     repo.fail_writes = 3
     assert loop.publish() is False
     put_delta(repo.inner, "a", 1, g(1.0))

@@ -10,10 +10,9 @@ import struct
 
 import pytest
 import torch
-from dumb_helpers import LR, MU, W0, Tiny, g, put_delta
+from dumb_helpers import LR, MU, W0, g, make_loop, put_delta
 
-from diloco.dumb_diloco.master import OuterLoop
-from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, MasterState
+from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH
 from diloco.dumb_diloco.tensor_format import DeltaMeta, delta_path, encode
 from diloco.dumb_diloco.transport import DirectoryTransport, RemoteFile
 
@@ -37,18 +36,7 @@ class Planted:
 
 def make(tmp_path, transport=None, **kw):
     repo = DirectoryTransport(tmp_path / "repo")
-    loop = OuterLoop(
-        transport or repo,
-        MasterState.from_model_state(Tiny().state_dict()),
-        node_id="m",
-        outer_lr=LR,
-        outer_momentum=MU,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=CAP,
-        **kw,
-    )
-    return loop, repo
+    return make_loop(transport or repo, max_file_bytes=CAP, **kw)[0], repo
 
 
 def check(loop, repo, caplog, node, step, words):

@@ -9,9 +9,8 @@ import time
 
 import pytest
 import torch
-from dumb_helpers import Spy, Tiny, g, put_delta, settings
+from dumb_helpers import Spy, Tiny, g, make_loop, put_delta, settings
 
-from diloco.dumb_diloco.master import OuterLoop
 from diloco.dumb_diloco.recovery import (
     GLOBAL_LEDGER_PATH,
     GLOBAL_MOMENTUM_PATH,
@@ -56,17 +55,7 @@ def master(tmp_path, node_id="m", state_dir=None, spy=False, **kw) -> DumbDiLoCo
 
 def test_global_step_ledger_momentum_and_lease_are_one_write(tmp_path):
     repo = Spy(DirectoryTransport(tmp_path / "repo"))
-    loop = OuterLoop(
-        repo,
-        MasterState.from_model_state(Tiny().state_dict()),
-        node_id="m",
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-        lease_seconds=60,
-    )
+    loop, _ = make_loop(repo, lease_seconds=60)
     put_delta(repo, "a", 3, g(1.0), base=0)
     loop.run_once()
     writes = [arg for op, arg, _ in repo.calls if op == "write" and GLOBAL_WEIGHTS_PATH in arg]
@@ -112,17 +101,7 @@ def test_replacement_master_continues_exactly_from_the_repository(tmp_path):
         ("w2", 3, "applied"),
     ]
     # exactly what the first master would have done with w2@3 (weights and momentum carried over)
-    ref = OuterLoop(
-        DirectoryTransport(tmp_path / "repo"),
-        before,
-        node_id="m",
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-        publish_state=False,
-    )
+    ref, _ = make_loop(tmp_path, before, publish_state=False)
     ref._pending.clear()
     for e in before.ledger.entries():
         assert e.status == "applied"
@@ -136,17 +115,7 @@ def test_replacement_master_continues_exactly_from_the_repository(tmp_path):
 
 def test_processed_deltas_beyond_keep_deltas_are_deleted_in_the_publication(tmp_path):
     repo = Spy(DirectoryTransport(tmp_path / "repo"))
-    loop = OuterLoop(
-        repo,
-        MasterState.from_model_state(Tiny().state_dict()),
-        node_id="m",
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-        keep_deltas=1,
-    )
+    loop, _ = make_loop(repo, keep_deltas=1)
     for step in (3, 6, 9):  # distinct payloads: a copy would be a duplicate
         put_delta(repo, "a", step, g(step + 0.1))
         put_delta(repo, "b", step, g(step + 0.2))
@@ -165,17 +134,7 @@ def test_processed_deltas_beyond_keep_deltas_are_deleted_in_the_publication(tmp_
 
 def test_gc_never_blocks_a_publication(tmp_path):
     repo = DirectoryTransport(tmp_path / "repo")
-    loop = OuterLoop(
-        repo,
-        MasterState.from_model_state(Tiny().state_dict()),
-        node_id="m",
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-        keep_deltas=1,
-    )
+    loop, _ = make_loop(repo, keep_deltas=1)
     put_delta(repo, "a", 3, g(0.1))
     loop.run_once()
     put_delta(repo, "a", 6, g(0.2))
@@ -240,16 +199,7 @@ def test_lease_config_keys():
 
 def test_processed_deltas_are_recognised_without_reading_them_again(tmp_path):
     repo = Spy(DirectoryTransport(tmp_path / "repo"))
-    loop = OuterLoop(
-        repo,
-        MasterState.from_model_state(Tiny().state_dict()),
-        node_id="m",
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-    )
+    loop, _ = make_loop(repo)
     put_delta(repo, "a", 3, g(1.0))
     loop.run_once()
     headers, reads = repo.count("read_header"), repo.count("read")
@@ -262,17 +212,7 @@ def test_processed_deltas_are_recognised_without_reading_them_again(tmp_path):
 
 def test_a_long_round_checks_the_lease_before_publishing(tmp_path):
     repo = DirectoryTransport(tmp_path / "repo")
-    loop = OuterLoop(
-        repo,
-        MasterState.from_model_state(Tiny().state_dict()),
-        node_id="m",
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-        lease_seconds=60,
-    )
+    loop, _ = make_loop(repo, lease_seconds=60)
     assert loop.publish()  # takes the lease
     # the round took longer than lease_seconds/2 and another master took over meanwhile
     repo.write(

@@ -9,10 +9,9 @@ import time
 
 import pytest
 import torch
-from dumb_helpers import B0, LR, MU, W0, Spy, Tiny, g, put_delta, settings
+from dumb_helpers import B0, LR, MU, W0, Spy, Tiny, g, make_loop, put_delta, settings
 
 from diloco.dumb_diloco.intake import final_marker_path
-from diloco.dumb_diloco.master import OuterLoop
 from diloco.dumb_diloco.recovery import MasterState
 from diloco.dumb_diloco.settings import Settings
 from diloco.dumb_diloco.strategy import DumbDiLoCo
@@ -21,28 +20,11 @@ from diloco.dumb_diloco.transport import DirectoryTransport
 pytestmark = pytest.mark.usefixtures("no_network")
 
 
-def make_loop(tmp_path, state: MasterState | None = None, **kw) -> tuple[OuterLoop, DirectoryTransport]:
-    repo = DirectoryTransport(tmp_path / "repo")
-    loop = OuterLoop(
-        repo,
-        state or MasterState.from_model_state(Tiny().state_dict()),
-        node_id="m",
-        outer_lr=LR,
-        outer_momentum=MU,
-        poll_interval=0.05,
-        state_dir=tmp_path / "state",
-        max_file_bytes=2**20,
-        **kw,
-    )
-    loop.publish()
-    return loop, repo
-
-
 # ------------------------------------------------------------------ quorum
 
 
 def test_quorum_waits_for_n_deltas_then_takes_one_equal_weight_step(tmp_path):
-    loop, repo = make_loop(tmp_path, min_deltas_per_round=3)
+    loop, repo = make_loop(tmp_path, min_deltas_per_round=3, state_dir=tmp_path / "state", publish=True)
     put_delta(repo, "a", 5, g(1.0))
     put_delta(repo, "b", 5, g(3.0))
     r = loop.run_once()
@@ -59,7 +41,7 @@ def test_quorum_waits_for_n_deltas_then_takes_one_equal_weight_step(tmp_path):
 
 
 def test_the_quorum_counts_distinct_nodes_not_deltas(tmp_path):
-    loop, repo = make_loop(tmp_path, min_deltas_per_round=2)
+    loop, repo = make_loop(tmp_path, min_deltas_per_round=2, state_dir=tmp_path / "state", publish=True)
     put_delta(repo, "fast", 5, g(1.0))
     put_delta(repo, "fast", 10, g(2.0))
     assert loop.run_once().applied == [] and loop.pending == 2  # two deltas, one node: no quorum of 2
@@ -75,7 +57,7 @@ def test_a_node_that_finished_counts_toward_the_quorum(tmp_path):
     """Issue 12: once a node has finished (its marker says so) it sends no more deltas, so the others'
     rounds no longer wait for it (before, they waited until every node finished: a slow node's deltas
     then piled up and were averaged into one step at the end)."""
-    loop, repo = make_loop(tmp_path, min_deltas_per_round=3)
+    loop, repo = make_loop(tmp_path, min_deltas_per_round=3, state_dir=tmp_path / "state", publish=True)
     put_delta(repo, "a", 5, g(1.0))
     put_delta(repo, "b", 5, g(3.0))
     marker = {"node_id": "c", "state": "running"}
@@ -88,29 +70,33 @@ def test_a_node_that_finished_counts_toward_the_quorum(tmp_path):
     assert torch.allclose(loop.state.weights["w"], W0 - LR * (2.0 + MU * 2.0), atol=1e-6)
 
 
+def test_without_a_quorum_the_master_reads_no_final_marker(tmp_path):
+    """With a quorum of 0 or 1 whether a node finished changes nothing in a round: its marker is not read."""
+    marker = {"node_id": "c", "state": "finished", "last_local_step": -1, "last_delta_sha256": ""}
+    for quorum in (0, 1, 2):
+        repo = Spy(DirectoryTransport(tmp_path / f"repo{quorum}"))
+        loop, _ = make_loop(repo, min_deltas_per_round=quorum)
+        repo.write({final_marker_path("c"): json.dumps(marker).encode()})
+        put_delta(repo, "a", 5, g(1.0))
+        assert [e.node_id for e in loop.run_once().applied] == ["a"]
+        assert repo.count("read", final_marker_path("c")) == (quorum == 2)
+
+
 def test_quorum_zero_is_the_spec_one_step_per_poll_with_a_delta(tmp_path):
-    loop, repo = make_loop(tmp_path)
+    loop, repo = make_loop(tmp_path, state_dir=tmp_path / "state", publish=True)
     put_delta(repo, "a", 5, g(1.0))
     assert loop.run_once().outer_step == 1
 
 
 def test_pending_deltas_are_found_again_by_a_restarted_master(tmp_path):
-    loop, repo = make_loop(tmp_path, min_deltas_per_round=2)
+    loop, repo = make_loop(tmp_path, min_deltas_per_round=2, state_dir=tmp_path / "state", publish=True)
     put_delta(repo, "a", 5, g(1.0))
     loop.run_once()
     assert loop.pending == 1
     loop.save_state()
     # the master dies with one delta pending (in memory only): a new one finds it in the repository
-    again = OuterLoop(
-        repo,
-        MasterState.load(tmp_path / "state"),
-        node_id="m",
-        outer_lr=LR,
-        outer_momentum=MU,
-        poll_interval=0.05,
-        state_dir=tmp_path / "state",
-        max_file_bytes=2**20,
-        min_deltas_per_round=2,
+    again, _ = make_loop(
+        repo, MasterState.load(tmp_path / "state"), state_dir=tmp_path / "state", min_deltas_per_round=2
     )
     put_delta(repo, "b", 5, g(3.0))
     r = again.run_once()
@@ -119,7 +105,7 @@ def test_pending_deltas_are_found_again_by_a_restarted_master(tmp_path):
 
 
 def test_flush_and_shutdown_apply_pending_deltas_below_the_quorum(tmp_path):
-    loop, repo = make_loop(tmp_path, min_deltas_per_round=4)
+    loop, repo = make_loop(tmp_path, min_deltas_per_round=4, state_dir=tmp_path / "state", publish=True)
     put_delta(repo, "a", 5, g(1.0))
     assert loop.run_once().applied == []
     assert [e.node_id for e in loop.run_once(flush=True).applied] == ["a"]
@@ -151,7 +137,7 @@ def test_min_deltas_per_round_config_key():
 
 
 def test_staleness_is_recorded_for_every_delta(tmp_path):
-    loop, repo = make_loop(tmp_path)
+    loop, repo = make_loop(tmp_path, state_dir=tmp_path / "state", publish=True)
     put_delta(repo, "a", 5, g(1.0), base=0)
     loop.run_once()  # step 0 -> 1
     put_delta(repo, "a", 10, g(2.0), base=1)  # distinct payloads: a copy would be a duplicate
@@ -173,7 +159,9 @@ def test_staleness_is_recorded_for_every_delta(tmp_path):
 
 def test_staleness_weighting_against_a_hand_computed_update(tmp_path):
     state = MasterState.from_model_state(Tiny().state_dict(), outer_step=2)
-    loop, repo = make_loop(tmp_path, state, staleness_weighting=True)
+    loop, repo = make_loop(
+        tmp_path, state, staleness_weighting=True, state_dir=tmp_path / "state", publish=True
+    )
     put_delta(repo, "fresh", 5, g(1.0), base=2)  # staleness 0: raw weight 1
     put_delta(repo, "stale", 5, g(4.0), base=0)  # staleness 2: raw weight 1/3
     loop.run_once()
@@ -186,7 +174,7 @@ def test_staleness_weighting_against_a_hand_computed_update(tmp_path):
 
 def test_without_staleness_weighting_stale_deltas_weigh_the_same(tmp_path):
     state = MasterState.from_model_state(Tiny().state_dict(), outer_step=2)
-    loop, repo = make_loop(tmp_path, state)
+    loop, repo = make_loop(tmp_path, state, state_dir=tmp_path / "state", publish=True)
     put_delta(repo, "fresh", 5, g(1.0), base=2)
     put_delta(repo, "stale", 5, g(4.0), base=0)
     loop.run_once()
@@ -197,7 +185,7 @@ def test_without_staleness_weighting_stale_deltas_weigh_the_same(tmp_path):
 
 
 def test_delayed_nesterov_against_a_hand_computed_update(tmp_path):
-    loop, repo = make_loop(tmp_path, delayed_nesterov_period=2)
+    loop, repo = make_loop(tmp_path, delayed_nesterov_period=2, state_dir=tmp_path / "state", publish=True)
     grads = (1.0, -0.5, 2.0)
     for i, v in enumerate(grads):
         put_delta(repo, "a", i + 1, g(v))
@@ -222,7 +210,7 @@ def test_delayed_nesterov_against_a_hand_computed_update(tmp_path):
 
 
 def test_delayed_nesterov_with_period_1_is_torch_nesterov(tmp_path):
-    loop, repo = make_loop(tmp_path, delayed_nesterov_period=1)
+    loop, repo = make_loop(tmp_path, delayed_nesterov_period=1, state_dir=tmp_path / "state", publish=True)
     p = W0.clone()
     opt = torch.optim.SGD([p], lr=LR, momentum=MU, nesterov=True)
     for i, v in enumerate((1.0, -0.5, 2.0)):
@@ -236,7 +224,13 @@ def test_delayed_nesterov_with_period_1_is_torch_nesterov(tmp_path):
 def test_delayed_nesterov_counts_the_deltas_of_a_quorum_round(tmp_path):
     """Issue 12: the period counts deltas. Rounds of 2 deltas (quorum 2) with period 2 refresh the momentum
     every round: torch's SGD-Nesterov on the round means (before, every 2nd round)."""
-    loop, repo = make_loop(tmp_path, min_deltas_per_round=2, delayed_nesterov_period=2)
+    loop, repo = make_loop(
+        tmp_path,
+        min_deltas_per_round=2,
+        delayed_nesterov_period=2,
+        state_dir=tmp_path / "state",
+        publish=True,
+    )
     p = W0.clone()
     opt = torch.optim.SGD([p], lr=LR, momentum=MU, nesterov=True)
     for step, (x, y) in enumerate(((1.0, 3.0), (-0.5, 0.5), (2.0, 1.5)), start=1):

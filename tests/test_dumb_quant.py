@@ -17,13 +17,12 @@ import threading
 
 import pytest
 import torch
-from dumb_helpers import LR, MU, W0, Tiny, g, publish, put_delta, settings, worker
+from dumb_helpers import LR, MU, W0, Tiny, g, make_loop, publish, put_delta, settings, worker
 
 from diloco.config import ConfigError, validate
 from diloco.dumb_diloco.delta_codec import DeltaCodec, wire_layout
 from diloco.dumb_diloco.intake import Intake
-from diloco.dumb_diloco.master import OuterLoop
-from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, MasterState, delta_layout
+from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, delta_layout
 from diloco.dumb_diloco.settings import Settings
 from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.tensor_format import DeltaMeta, delta_path, encode, parse_header
@@ -277,18 +276,7 @@ def test_a_translated_install_leaves_the_residual_alone(tmp_path):
 
 
 def make_master(tmp_path):
-    repo = DirectoryTransport(tmp_path / "repo")
-    loop = OuterLoop(
-        repo,
-        MasterState.from_model_state(Tiny().state_dict()),
-        node_id="m",
-        outer_lr=LR,
-        outer_momentum=MU,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=8192,
-    )
-    return loop, repo
+    return make_loop(tmp_path, max_file_bytes=8192)
 
 
 def int8_tiny(value: float = 1.0) -> dict[str, torch.Tensor]:

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dumb_helpers import Spy, publish, settings
+from dumb_helpers import Spy, make_loop, publish, settings
 
-from diloco.dumb_diloco.master import OuterLoop
-from diloco.dumb_diloco.recovery import MasterState
 from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.transport import DirectoryTransport
 
@@ -52,17 +50,7 @@ def flat(model) -> torch.Tensor:
 def nodes_and_master(tmp_path, n: int, lr: float, mu: float, transport=None, **kw):
     repo = DirectoryTransport(tmp_path / "repo")
     publish(repo, Net().state_dict(), 0)
-    loop = OuterLoop(
-        repo,
-        MasterState.from_model_state(Net().state_dict()),
-        node_id="m",
-        outer_lr=lr,
-        outer_momentum=mu,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-        min_deltas_per_round=n,
-    )
+    loop, _ = make_loop(repo, Net().state_dict(), lr=lr, momentum=mu, min_deltas_per_round=n)
     nodes = []
     for i in range(n):
         model = Net()

@@ -387,22 +387,10 @@ def test_a_global_of_another_model_fails_fast_a_corrupt_one_is_waited_out(tmp_pa
 
 
 def test_num_peers_comes_from_the_installed_round(tmp_path):
-    from dumb_helpers import put_delta
-
-    from diloco.dumb_diloco.master import OuterLoop
-    from diloco.dumb_diloco.recovery import MasterState
+    from dumb_helpers import make_loop, put_delta
 
     coord, repo, model = worker(tmp_path)
-    loop = OuterLoop(
-        repo.inner,
-        MasterState.from_model_state(model.state_dict()),
-        node_id="m",
-        outer_lr=0.1,
-        outer_momentum=0.0,
-        poll_interval=1,
-        state_dir=None,
-        max_file_bytes=2**20,
-    )
+    loop, _ = make_loop(repo.inner, model.state_dict(), lr=0.1, momentum=0.0)
     for i, node in enumerate(("a", "b", "c")):  # distinct payloads: a copy would be a duplicate
         put_delta(repo.inner, node, 3, {"w": torch.full((2, 2), 1.0 + i), "b": torch.ones(2)})
     loop.run_once()

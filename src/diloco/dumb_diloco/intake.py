@@ -31,6 +31,18 @@ def final_marker_path(node_id: str) -> str:
     return f"{NODES_DIR}/{node_id}/{FINAL_MARKER}"
 
 
+def marker_node(path: str) -> str | None:
+    """The node id of a final marker's path (nodes/<node_id>/final.json); None for any other path."""
+    parts = path.split("/")
+    return parts[1] if len(parts) == 3 and parts[2] == FINAL_MARKER and _is_node_id(parts[1]) else None
+
+
+def announced_nodes(transport: Transport, revision: str) -> set[str]:
+    """The nodes that have announced themselves: those with a final marker (a node writes it, "running",
+    when it starts). Raises TransportError."""
+    return {n for f in transport.list(NODES_DIR, revision) if (n := marker_node(f.path)) is not None}
+
+
 def parse_final_marker(raw: bytes, node_id: str) -> tuple[int, str] | None:
     """(local step, payload SHA-256) of the last delta a finished node names (-1, "" if it sent none);
     None while it runs, or if the marker is not a valid one of `node_id`."""
@@ -90,9 +102,8 @@ class Intake:
         out, self.refused, self.markers = [], [], {}
         for f in self.transport.list(NODES_DIR, revision):
             parsed = parse_delta_path(f.path)
-            parts = f.path.split("/")
-            if parsed is None and len(parts) == 3 and parts[2] == FINAL_MARKER and _is_node_id(parts[1]):
-                self.markers[parts[1]] = f
+            if parsed is None and (marker := marker_node(f.path)) is not None:
+                self.markers[marker] = f
             elif parsed is None:
                 self._refuse(f)
             elif self.allowed is not None and parsed[0] not in self.allowed:

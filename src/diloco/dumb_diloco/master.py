@@ -236,9 +236,9 @@ class OuterLoop:
     def _take_round(self, flush: bool, revision: str) -> list[Candidate]:
         """The deltas of this round: every pending one once deltas of `min_deltas_per_round` distinct nodes
         are pending (one fast node's two deltas do not make a quorum of two; a node that finished counts, as
-        it will send no more), or on `flush`; else none."""
+        it will send no more: its marker is read only for a quorum over 1), or on `flush`; else none."""
         quorum, senders = max(1, self.min_deltas_per_round), {c.node_id for c in self._pending.values()}
-        nodes = len(senders) + len(self.intake.finished(revision) - senders)  # a finished node sends no more
+        nodes = len(senders) + (len(self.intake.finished(revision) - senders) if quorum > 1 else 0)
         if not self._pending or (nodes < quorum and not flush):
             if self._pending:
                 log.info(f"master: {self.pending} delta(s) of {nodes} node(s) pending, waiting for {quorum}")

@@ -134,7 +134,7 @@ class Node:
         # its own with every global and a worker refuses to join a master that started elsewhere
         self.init_sha256 = weights_sha256(model)
         self._global_layout = state_layout(state)  # what a global must look like to be installed
-        self._delta_keys = self.delta_keys = list(delta_layout(state))
+        self.delta_keys = list(delta_layout(state))
         self.translating = settings.install == "translate"
         self.codec = DeltaCodec.from_settings(settings)  # float32, or int8/int4 with error feedback
         # install.translate's state: the last installed global (delta keys), the newest own delta it
@@ -230,8 +230,8 @@ class Node:
         state = self.model.state_dict()
         snapshot = self._free.pop() if self._free and not self.translating else None
         if snapshot is None:
-            snapshot = _Snapshot({k: torch.empty_like(state[k], device="cpu") for k in self._delta_keys})
-        src, dst = [state[k].detach() for k in self._delta_keys], [snapshot[k] for k in self._delta_keys]
+            snapshot = _Snapshot({k: torch.empty_like(state[k], device="cpu") for k in self.delta_keys})
+        src, dst = [state[k].detach() for k in self.delta_keys], [snapshot[k] for k in self.delta_keys]
         if all(t.device.type == "cpu" for t in src):
             torch._foreach_copy_(dst, src)  # one fused call
         else:
@@ -388,7 +388,7 @@ class Node:
                     t.copy_(snapshot.state[k])
             if isinstance(self._baseline, _Snapshot) and not self.translating:  # no job reads it
                 self._free.append(self._baseline)
-            self._baseline = {k: snapshot.state[k] for k in self._delta_keys}  # the snapshot is never mutated
+            self._baseline = {k: snapshot.state[k] for k in self.delta_keys}  # the snapshot is never mutated
             self.reference, self.pending_snapshots = dict(self._baseline), {}
             self.included_step = snapshot.included.get(self.s.node_id, -1)
             self._steps_since_capture = 0

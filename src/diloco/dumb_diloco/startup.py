@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .intake import FINAL_MARKER
+from .intake import announced_nodes
 from .master import OuterLoop
 from .publication import lease_blob
 from .recovery import (
@@ -37,7 +37,6 @@ from .settings import DumbDiLoCoError
 from .tensor_format import (
     GLOBAL_STEP_PATH,
     GLOBAL_WEIGHTS_PATH,
-    NODES_DIR,
     InvalidTensorFile,
     decode,
     parse_header,
@@ -312,10 +311,9 @@ def await_quorum(node: DumbDiLoCo) -> None:
     allowed = set(s.collaborators) | {s.node_id} if s.collaborators else None
     while True:
         try:
-            files = node.transport.list(NODES_DIR, node.transport.revision())
+            running = announced_nodes(node.transport, node.transport.revision())
         except TransportError:
-            files = []
-        running = {p[1] for f in files if len(p := f.path.split("/")) == 3 and p[2] == FINAL_MARKER}
+            running = set()
         running = (running if allowed is None else running & allowed) | {s.node_id}
         if len(running) >= s.min_deltas_per_round:
             log.info(

@@ -233,7 +233,7 @@ class DumbDiLoCo(Node):
         is installed at the next boundary, after that boundary's delta captured the progress."""
         r, self._resume = self._resume, None
         assert r is not None
-        expected = {k: self._global_layout[k] for k in self._delta_keys}
+        expected = {k: self._global_layout[k] for k in self.delta_keys}
         if {k: (tuple(t.shape), t.dtype) for k, t in r["baseline"].items()} != expected:
             raise self.s.error("the checkpoint's DumbDiLoCo baseline is not of this model")
         self._baseline = {k: t.detach().to("cpu", copy=True) for k, t in r["baseline"].items()}
