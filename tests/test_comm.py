@@ -167,3 +167,34 @@ class _Solo:
 
     def all_reduce_(self, t, op="sum", tag="other"):
         pass
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8", "int4"])
+def test_the_mean_s_error_is_the_relative_l2_error_of_what_arrived(dtype):
+    """comm/mean_rel_error: with every coordinate sampled, ||what every worker got - the float32 mean|| /
+    ||the float32 mean||, over a round of two buckets; float32 only loses the sum's round-off."""
+    from diloco.comm import Averager, RoundMeter, SoloCollective, sample_positions
+    from diloco.quant import QuantizedAverager
+
+    w, sizes = 3, [300, 200]
+    xs = [[torch.randn(n, generator=torch.Generator().manual_seed(10 * r + b)) for b, n in enumerate(sizes)]
+          for r in range(w)]  # fmt: skip
+
+    def worker(r, coll):
+        avg = QuantizedAverager(coll, dtype, 64) if dtype.startswith("int") else Averager(coll, dtype, False)
+        meter = RoundMeter(avg, SoloCollective(), sample_positions(sizes, 10**6, 0, "cpu"))
+        meter.begin()
+        arrived = []
+        for b, n in enumerate(sizes):
+            flat = xs[r][b].clone()
+            meter.observe(b, flat)
+            avg.average_(flat, [n], key=b)
+            meter.observe_mean(b, flat)
+            arrived.append(flat)
+        return meter.finish("cpu")["mean_error"], torch.cat(arrived)
+
+    exact = torch.cat([sum(x[b].double() for x in xs) / w for b in range(len(sizes))])
+    for got, arrived in run_threads(w, worker):
+        want = float((arrived.double() - exact).norm() / exact.norm())
+        assert got == pytest.approx(want, rel=1e-9)
+        assert got < {"float32": 1e-6, "float16": 1e-3, "int8": 2e-2, "int4": 0.3}[dtype]

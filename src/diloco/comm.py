@@ -387,29 +387,42 @@ class RoundMeter:
         self.averager.cast = CastStats()
         self._sq: list[torch.Tensor] = []
         self._sketch: list[torch.Tensor] = []
+        self._mean_sketch: list[torch.Tensor] = []
 
     def observe(self, bucket: int, pseudo_grad: torch.Tensor) -> None:
         self._sq.append(torch.linalg.vector_norm(pseudo_grad).double().square())  # one pass, no copy
         if self.positions is not None:
             self._sketch.append(pseudo_grad[self.positions[bucket]])
 
+    def observe_mean(self, bucket: int, mean: torch.Tensor) -> None:
+        """The bucket's mean as it arrived (after `observe` and the averaging): on the sampled coordinates
+        its relative L2 error against the float32 mean of the workers' sketches is `mean_error`."""
+        if self.positions is not None:
+            self._mean_sketch.append(mean[self.positions[bucket]])
+
     def finish(self, device) -> dict:
         w = self.cross.size
         gram = torch.zeros(w, w, dtype=torch.float64)
+        error = torch.zeros(2, dtype=torch.float64)  # ||arrived - float32 mean||^2, ||float32 mean||^2
         if self.positions is not None and w > 1:
             mine = torch.cat(self._sketch) if self._sketch else torch.zeros(0, device=device)
             rows = self.cross.all_gather(mine, tag="metrics").double().cpu()  # [W, k]
             gram = rows @ rows.T
+            if self._mean_sketch:
+                exact, arrived = rows.mean(0), torch.cat(self._mean_sketch).double().cpu()
+                error = torch.stack([(arrived - exact).square().sum(), exact.square().sum()])
         sent = {k: v - self._sent0.get(k, 0) for k, v in self.cross.sent.items()}
         payload = sum(v for k, v in sent.items() if k.startswith("pseudo_grad_"))
         sq = torch.stack(self._sq).sum().cpu() if self._sq else torch.zeros((), dtype=torch.float64)
         sizes = torch.tensor(
             [payload, sent.get("fp16_scales", 0), sent.get("metrics", 0)], dtype=torch.float64
         )
-        totals = torch.cat([sq.view(1), self.averager.cast.as_tensor(), sizes, gram.flatten()]).to(device)
+        cast = self.averager.cast.as_tensor()
+        totals = torch.cat([sq.view(1), cast, sizes, error, gram.flatten()]).to(device)
         self.intra.all_reduce_(totals, tag="metrics")  # the sums over this worker's ranks
         totals = totals.cpu()
         payload, scales, metric = (int(v) for v in totals[6:9].tolist())
+        err_sq, exact_sq = totals[9:11].tolist()
         return {
             "payload": payload,
             "scales": scales,
@@ -417,5 +430,6 @@ class RoundMeter:
             "seconds": self.cross.seconds + self.intra.seconds - self._seconds0,
             "local_norm": float(totals[0]) ** 0.5,
             "cast": CastStats.from_tensor(totals[1:6]).metrics(),
-            "cosine": mean_pairwise_cosine(totals[9:].view(w, w)) if self.positions and w > 1 else None,
+            "cosine": mean_pairwise_cosine(totals[11:].view(w, w)) if self.positions and w > 1 else None,
+            "mean_error": (err_sq / exact_sq) ** 0.5 if exact_sq > 0 else None,
         }

@@ -294,6 +294,7 @@ class DiLoCo:
             if owner == self.intra.rank:
                 self.meter.observe(b, pseudo_grad)
                 self.averager.average_(pseudo_grad, self.sizes[b], key=b)  # 1/W sum_i, pseudo_grad_dtype
+                self.meter.observe_mean(b, pseudo_grad)
             self.intra.broadcast_(pseudo_grad, src=owner, tag="intra_worker")
             mean_sq.append(torch.linalg.vector_norm(pseudo_grad).double().square())  # one pass, no copy
             grads[b] = pseudo_grad.to(self.global_params[b].device)
@@ -344,6 +345,8 @@ class DiLoCo:
         }
         if m["cosine"] is not None:
             out["outer/cosine_similarity"] = m["cosine"]
+        if m["mean_error"] is not None:  # what the wire dtype cost the average, on the sampled coordinates
+            out["comm/mean_rel_error"] = m["mean_error"]
         if self.averager.wire != torch.float32:
             out.update(m["cast"])
         return out
