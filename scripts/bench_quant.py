@@ -2,7 +2,9 @@
 
 One worker's share of a round for one bucket of N float32 elements, through the project's own code
 (`diloco.quant`): add the residual, quantize (blockwise absmax, bfloat16 scales), decode what was sent,
-keep the new residual; and decoding one received payload. The floor is the bytes these steps must
+keep the new residual; and decoding one received payload into the running mean. Both paths are timed:
+the fused C kernel the CPU uses (`kernel` c, diloco.quant_kernel) and the eager torch ops (`kernel`
+torch: GPU tensors, or no C compiler); the verdicts judge the path this machine runs. The floor is the bytes these steps must
 read and write at least once, divided by the copy bandwidth measured right before (`dst.copy_(src)`,
 bytes read + written per second), p the payload bytes:
 
@@ -17,28 +19,29 @@ Target (issue #13): at most 2x the floor. Nothing is asserted; `make bench` repo
 
 from __future__ import annotations
 
+import os
+
 import bench_common as bc
 import torch
 
 from diloco.comm import SoloCollective
 from diloco.quant import QuantizedAverager, dequantize, payload_bytes
+from diloco.quant_kernel import kernel
 
 
-def measure_dtype(dtype: str, bits: int, pseudo_grad: torch.Tensor, args) -> list[dict]:
+def measure_dtype(dtype: str, bits: int, pseudo_grad: torch.Tensor, path: str, args) -> list[dict]:
+    os.environ["DILOCO_QUANT_KERNEL"] = path
     n = pseudo_grad.numel()
     avg = QuantizedAverager(SoloCollective(), dtype, block_size=256, error_feedback=True)
     avg.residuals[0] = torch.randn(n) * 1e-5
     v, mean = torch.empty(n), torch.zeros(n)
     payload_n = payload_bytes(n, bits, 256)
     bw = bc.copy_bandwidth(nbytes=4 * n, repeats=3)["gb_per_s"] * bc.GB
-    encode = bc.measure(
-        lambda: avg.encode(v.view(1, -1), avg.residuals, 0),
-        args.repeats,
-        args.warmup,
-        setup=lambda: v.copy_(pseudo_grad),
-    )
+    encode = bc.measure(lambda: avg.encode(v.view(1, -1), avg.residuals, 0), args.repeats, args.warmup)
     payload = avg.encode(v.copy_(pseudo_grad).view(1, -1), avg.residuals, 0)[0].view(-1)
-    decode = bc.measure(lambda: mean.add_(dequantize(payload, n, bits, 256)), args.repeats, args.warmup)
+    decode = bc.measure(
+        lambda: dequantize(payload, n, bits, 256, out=mean, accumulate=True), args.repeats, args.warmup
+    )
     rows = []
     for what, m, floor_bytes in (
         ("encode + error feedback", encode, 12 * n + payload_n),
@@ -48,6 +51,7 @@ def measure_dtype(dtype: str, bits: int, pseudo_grad: torch.Tensor, args) -> lis
         rows.append(
             {
                 "dtype": dtype,
+                "kernel": path,
                 "step": what,
                 "elements": n,
                 "payload bytes": payload_n,
@@ -66,13 +70,21 @@ def main(argv=None) -> int:
     args = bc.finish_args(p.parse_args(argv))
     torch.manual_seed(0)
     pseudo_grad = torch.randn(int((1 if args.tiny else args.mb) * 2**20 / 4)) * 1e-3
+    if kernel() is None:
+        print("no C kernel could be built here: only the eager torch path is measured")
+    paths = ("c", "torch") if kernel() is not None else ("torch",)
     rows = [
-        r for dtype, bits in (("int8", 8), ("int4", 4)) for r in measure_dtype(dtype, bits, pseudo_grad, args)
+        r
+        for path in paths
+        for dtype, bits in (("int8", 8), ("int4", 4))
+        for r in measure_dtype(dtype, bits, pseudo_grad, path, args)
     ]
+    os.environ.pop("DILOCO_QUANT_KERNEL")
     verdicts = [
-        f"{r['dtype']} {r['step']}: {r['x floor']:.1f}x the bandwidth floor (target <= 2.0x): "
+        f"{r['dtype']} {r['step']} ({r['kernel']}): {r['x floor']:.1f}x the bandwidth floor (target <= 2.0x): "
         + ("met" if r["x floor"] <= 2.0 else "NOT met")
         for r in rows
+        if r["kernel"] == paths[0]
     ]
     bc.write("quant", "int8 / 4-bit encoding vs memory bandwidth", args, rows, verdicts=verdicts)
     return 0

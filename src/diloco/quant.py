@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from diloco import quant_kernel
 from diloco.comm import CastStats, Collective
 
 QUANT_BITS = {"int8": 8, "int4": 4}
@@ -43,7 +44,8 @@ def quantize(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     qmax = 2 ** (bits - 1) - 1
     pad = (-x.numel()) % block
     xb = (F.pad(x, (0, pad)) if pad else x).view(-1, block)  # [blocks, block]
-    absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_())  # two reads, no |x| temporary
+    # two reads, no |x| temporary; abs_: +0 for an all-zero block, not max(0, -0) = -0
+    absmax = torch.maximum(xb.amax(dim=1), xb.amin(dim=1).neg_()).abs_()
     scales = (absmax / qmax).to(torch.bfloat16)  # [blocks], what is sent
     s = scales.float()
     inv = torch.where(s > 0, s, torch.ones_like(s)).reciprocal_()  # an all-zero block: codes 0
@@ -56,18 +58,69 @@ def quantize(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     return torch.cat([codes.reshape(-1), scales.view(torch.uint8)])
 
 
-def dequantize(payload: torch.Tensor, n: int, bits: int, block: int, out: torch.Tensor | None = None):
-    """uint8 [payload_bytes(n)] -> FP32 [n] (into `out` when given)."""
+def dequantize(
+    payload: torch.Tensor,
+    n: int,
+    bits: int,
+    block: int,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """uint8 [payload_bytes(n)] -> FP32 [n]; with `out` (FP32, at most n elements), its first
+    out.numel() elements written into out, or added to it with `accumulate` (code * scale, then +)."""
     blocks = -(-n // block)
     code_bytes = blocks * block * bits // 8
-    scales = payload[code_bytes:].clone().view(torch.bfloat16).float()  # [blocks]; clone: 2-byte aligned
-    codes = payload[:code_bytes].view(blocks, -1)
+    codes, scale_bytes = payload[:code_bytes], payload[code_bytes:]
+    if out is not None and out.dtype == torch.float32 and quant_kernel.usable(payload, out):
+        quant_kernel.decode(codes, scale_bytes, out, bits, block, accumulate)
+        return out
+    scales = scale_bytes.clone().view(torch.bfloat16).float()  # [blocks]; clone: 2-byte aligned
+    codes = codes.view(blocks, -1)
     if bits == 4:
         q = torch.stack([(codes & 0x0F), (codes >> 4)], dim=2).view(blocks, block).to(torch.int8) - 8
     else:
         q = codes.view(torch.int8)
     x = (q.float() * scales[:, None]).view(-1)[:n]
-    return x if out is None else out.copy_(x)
+    if out is None:
+        return x
+    x = x[: out.numel()]
+    return out.add_(x) if accumulate else out.copy_(x)
+
+
+def encode(
+    x: torch.Tensor,
+    bits: int,
+    block: int,
+    carry: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, tuple[float, float, int]]:
+    """The payload of y = x + carry (FP32 [n]; carry: the residual quantization left last time, or None)
+    and (||y||^2, ||y - sent||^2, #non-zero elements sent as zero); residual (FP32 [n], may be carry
+    itself) <- y - sent, what this payload loses; out: where to write the payload (uint8
+    [payload_bytes(n)]), else a new tensor. x is not modified. On CPU the fused kernel
+    (diloco.quant_kernel), elsewhere these torch ops: the same bits either way."""
+    n = x.numel()
+    if out is None:
+        out = torch.empty(payload_bytes(n, bits, block), dtype=torch.uint8, device=x.device)
+    if x.dtype == torch.float32 and quant_kernel.usable(x, carry, residual, out):
+        payload = out
+        code_bytes = -(-n // block) * block * bits // 8
+        stats = quant_kernel.encode(
+            x, carry, residual, bits, block, payload[:code_bytes], payload[code_bytes:]
+        )
+        return payload, stats
+    y = x + carry if carry is not None else x
+    payload = out.copy_(quantize(y, bits, block))
+    sent = dequantize(payload, n, bits, block)
+    err = y - sent
+    if residual is not None:
+        residual.copy_(err)
+    y64 = y.double()
+    sq_norm, sq_err, under = torch.stack(
+        [y64.square().sum(), err.double().square().sum(), ((y != 0) & (sent == 0)).sum().double()]
+    ).tolist()
+    return payload, (sq_norm, sq_err, int(under))
 
 
 class QuantizedAverager:
@@ -88,24 +141,31 @@ class QuantizedAverager:
         self.mean_residuals: dict[int, torch.Tensor] = {}  # the mean's, per bucket, of the chunk it owns
         self.cast = CastStats()
 
-    def encode(self, v: torch.Tensor, residuals: dict, key: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes of v + residual, what they decode to) as [rows, one chunk's payload]; keeps the new
-        residual in residuals[key]. v: [rows, chunk], chunk a whole number of blocks; v becomes v + residual."""
-        if self.error_feedback and key in residuals:
-            v.add_(residuals[key].view_as(v))  # + what was lost last round
+    def encode(self, v: torch.Tensor, residuals: dict, key: int) -> tuple[torch.Tensor, tuple]:
+        """(codes of v + residual as [rows, one chunk's payload], the error sums of `encode`);
+        residuals[key] <- what they lost. v: [rows, chunk], chunk a whole number of blocks (not modified)."""
         rows, chunk = v.shape
-        payload = quantize(v.view(-1), self.bits, self.block)
-        sent = dequantize(payload, v.numel(), self.bits, self.block).view_as(v)
+        carry = residuals.get(key) if self.error_feedback else None
+        residual = None
         if self.error_feedback:
-            r = residuals.get(key)
-            residuals[key] = torch.sub(v, sent, out=None if r is None else r.view_as(v)).view(-1)
-        return _as_rows(payload, rows, chunk * self.bits // 8), sent
-
-    def _decode_rows(self, rows: torch.Tensor, chunk: int) -> torch.Tensor:
-        """[k, payload of one chunk] -> FP32 [k, chunk]."""
-        cb = chunk * self.bits // 8
-        payload = torch.cat([rows[:, :cb].reshape(-1), rows[:, cb:].reshape(-1)])
-        return dequantize(payload, rows.shape[0] * chunk, self.bits, self.block).view(rows.shape[0], chunk)
+            residual = carry if carry is not None else torch.empty(v.numel(), device=v.device)
+            residuals[key] = residual
+        out = torch.empty(
+            rows, payload_bytes(chunk, self.bits, self.block), dtype=torch.uint8, device=v.device
+        )
+        sums = [0.0, 0.0, 0]
+        for i in range(rows):  # one payload per row, written in place: what the collective sends
+            part = slice(i * chunk, (i + 1) * chunk)
+            _, stats = encode(
+                v[i],
+                self.bits,
+                self.block,
+                None if carry is None else carry[part],
+                None if residual is None else residual[part],
+                out=out[i],
+            )
+            sums = [a + b for a, b in zip(sums, stats)]
+        return out, tuple(sums)
 
     def average_(self, flat: torch.Tensor, sizes: list[int], key: int = 0) -> torch.Tensor:
         """flat (FP32 [n]) <- the mean over all members of what each sends for it (module docstring)."""
@@ -113,34 +173,23 @@ class QuantizedAverager:
         chunk = -(-n // (w * self.block)) * self.block  # whole blocks, so a block never spans two chunks
         v = flat.new_zeros(w, chunk)  # flat, zero-padded to W chunks (flat is written only at the end)
         v.view(-1)[:n].copy_(flat)
-        rows, sent = self.encode(v, self.residuals, key)
-        self._measure(v.view(-1)[:n], sent.view(-1)[:n])
+        rows, (sq_norm, sq_err, under) = self.encode(v, self.residuals, key)
+        c = self.cast
+        c.sq_norm, c.sq_error, c.underflow = c.sq_norm + sq_norm, c.sq_error + sq_err, c.underflow + under
+        c.numel += n
         tag = f"pseudo_grad_{self.dtype}"
         got = self.coll.all_to_all(rows, tag=tag)  # row i: worker i's codes of the chunk this one owns
         mine = torch.zeros(1, chunk, dtype=flat.dtype, device=flat.device)
-        for row in self._decode_rows(got, chunk):  # rank order: the same sum on whichever worker owns it
-            mine[0].add_(row)
+        for row in got:  # rank order: the same sum on whichever worker owns it
+            dequantize(row, chunk, self.bits, self.block, out=mine[0], accumulate=True)
         mine.div_(w)
         mean_rows, _ = self.encode(mine, self.mean_residuals, key)
         gathered = self.coll.all_gather(mean_rows[0], tag=tag)  # [W, one chunk's codes]
-        return flat.copy_(self._decode_rows(gathered, chunk).view(-1)[:n])
-
-    def _measure(self, v: torch.Tensor, sent: torch.Tensor) -> None:
-        v64 = v.double()
-        sq_norm, sq_err, under = torch.stack(
-            [
-                v64.square().sum(),
-                (sent.double() - v64).square().sum(),
-                ((v != 0) & (sent == 0)).sum().double(),
-            ]
-        ).tolist()
-        c = self.cast
-        c.sq_norm, c.sq_error, c.underflow = (
-            c.sq_norm + sq_norm,
-            c.sq_error + sq_err,
-            c.underflow + int(under),
-        )
-        c.numel += v.numel()
+        for i, row in enumerate(gathered):
+            lo, hi = i * chunk, min(n, (i + 1) * chunk)
+            if lo < hi:
+                dequantize(row, chunk, self.bits, self.block, out=flat[lo:hi])
+        return flat
 
     def state_dict(self) -> dict:
         return {
@@ -151,9 +200,3 @@ class QuantizedAverager:
     def load_state_dict(self, state: dict, device: torch.device) -> None:
         for name in ("residuals", "mean_residuals"):
             setattr(self, name, {int(k): t.to(device, copy=True) for k, t in state.get(name, {}).items()})
-
-
-def _as_rows(payload: torch.Tensor, rows: int, code_bytes: int) -> torch.Tensor:
-    """quantize's [codes of every row, scales of every row] -> [rows, codes + scales of that row]."""
-    codes, scales = payload[: rows * code_bytes], payload[rows * code_bytes :]
-    return torch.cat([codes.view(rows, -1), scales.view(rows, -1)], dim=1)

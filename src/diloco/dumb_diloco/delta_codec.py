@@ -7,7 +7,7 @@ shape [payload_bytes(numel, bits, block)], `quant.quantize` of the flattened ten
 scales); the metadata says `dtype` int8 | int4 and `quant_block_size` (tensor_format.DeltaMeta). A float32
 delta is written exactly as before (no block size in its header).
 
-Node (`DeltaCodec`): v = delta + residual; payload = quantize(v); the residual after it is v - Q(v),
+Node (`DeltaCodec`): v = delta + residual; payload = quant.encode(v); the residual after it is v - Q(v),
 committed only once the upload succeeded. A failed upload leaves the residual as it was and its
 unquantized delta is carried into the next one (node.py), so nothing is lost or counted twice: the sum
 of what the master decoded plus the residual equals the sum of the node's deltas. The residual is a
@@ -25,7 +25,8 @@ import math
 
 import torch
 
-from diloco.quant import QUANT_BITS, dequantize, payload_bytes, quantize
+from diloco.quant import QUANT_BITS, dequantize, payload_bytes
+from diloco.quant import encode as quant_encode
 
 from .tensor_format import DeltaMeta, InvalidTensorFile, encode
 
@@ -81,12 +82,12 @@ class DeltaCodec:
         meta = dataclasses.replace(meta, dtype=self.dtype, quant_block_size=self.block)
         payloads, residual, sq_norm, sq_err = {}, {}, 0.0, 0.0
         for k, d in delta.items():
-            v = d.reshape(-1) + self.residual[k].reshape(-1) if k in self.residual else d.reshape(-1)
-            payloads[k] = p = quantize(v, self.bits, self.block)
-            err = dequantize(p, v.numel(), self.bits, self.block) - v if v.numel() else v.clone()
-            sq_norm += float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2
-            sq_err += float(torch.linalg.vector_norm(err, dtype=torch.float64)) ** 2
-            residual[k] = err.neg_().view(d.shape)  # v - Q(v)
+            carry = self.residual[k].reshape(-1) if k in self.residual else None
+            residual[k] = torch.empty(d.shape)  # v - Q(v), v = d + carry
+            payloads[k], (sq, se, _) = quant_encode(
+                d.reshape(-1), self.bits, self.block, carry, residual[k].view(-1)
+            )
+            sq_norm, sq_err = sq_norm + sq, sq_err + se
         self.rel_error = math.sqrt(sq_err / sq_norm) if sq_norm > 0 else 0.0
         return encode(payloads, meta.to_header()), residual if self.error_feedback else None
 
