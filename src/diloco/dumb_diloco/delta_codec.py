@@ -50,7 +50,9 @@ def to_float32(tensors: dict[str, torch.Tensor], meta: DeltaMeta, layout: Layout
     bits, block, out = QUANT_BITS[meta.dtype], meta.quant_block_size, {}
     for k, (shape, _) in layout.items():
         n = math.prod(shape)
-        x = dequantize(tensors[k], n, bits, block).view(shape) if n else torch.zeros(shape)
+        x = torch.empty(shape)
+        if n:
+            dequantize(tensors[k], n, bits, block, out=x.view(-1))
         if not bool(torch.isfinite(x).all()):
             raise InvalidTensorFile(
                 f"tensor {k!r}: its {meta.dtype} payload decodes to NaN or Inf (bad scales)"
