@@ -13,9 +13,10 @@ DumbDiLoCo runs need REPO_ID (a Hub repo org/name with HF_TOKEN set on every nod
 
 --dry-run resolves every config, prints the plan (nodes, commands, tokens, bytes per worker) and
 takes two real optimizer steps of each config's real model shape on CPU (batch 1, 32 tokens,
-the bundled sample in place of C4; DumbDiLoCo as a lone master polling every second), so a broken
-config is caught before a GPU hour is spent. Each leg's own output is printed as it comes, then its
-time and peak memory; a leg that needs more memory than is free is validated and skipped, saying so.
+the bundled sample in place of C4, read with C4's tokenizer, the paper's, bundled too; DumbDiLoCo as
+a lone master polling every second), so a broken config is caught before a GPU hour is spent. Each
+leg's own output is printed as it comes, then its time and peak memory; a leg that needs more memory
+than is free is validated and skipped, saying so.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
 from plan import (
     PlanError,
     compose_experiment,
@@ -109,15 +111,25 @@ def dry_run_memory(mode: str, params: int) -> int:
     return DRY_RUN_BASE_BYTES + params * DRY_RUN_BYTES_PER_PARAM[mode]
 
 
-def dry_overrides(name: str, out: Path, mode: str) -> list[str]:
+def bundled_tokenizer(cfg) -> str | None:
+    """The experiment's tokenizer as its config writes it when it ships with the package (C4's: the
+    paper's Mistral-7B-v0.1), so a dry run reads the sample as the real run reads C4; None for a Hub
+    name, which would need the network (the dry run then keeps the sample's own)."""
+    value = OmegaConf.to_container(cfg.data, resolve=False)["tokenizer"]
+    return value if value.startswith("${diloco_asset:") else None
+
+
+def dry_overrides(name: str, out: Path, mode: str, tokenizer: str | None = None) -> list[str]:
     """Two real optimizer steps of the config's real model shape on CPU, seconds not minutes: batch 1 of
-    32 tokens from the bundled sample, a schedule of two steps, and for DumbDiLoCo a lone master that
-    polls every second and does not wait for other nodes (drain_timeout=0: one last round)."""
+    32 tokens from the bundled sample (read with `tokenizer`, else the sample's), a schedule of two
+    steps, and for DumbDiLoCo a lone master that polls every second and does not wait for other nodes
+    (drain_timeout=0: one last round)."""
     overrides = [
         f"experiment={name}",
         "device=cpu",
         "precision=fp32",
         "data=sample",
+        *([f"data.tokenizer={tokenizer}"] if tokenizer else []),
         "data.seq_len=32",
         "train.batch_size=1",
         "train.micro_batch_size=1",
@@ -161,10 +173,11 @@ def dry_steps(name: str, out: Path) -> tuple[float, int] | None:
     this machine has free is validated only (None), and says so."""
     cfg = compose_experiment(name)
     mode = cfg.distributed.mode
+    overrides = dry_overrides(name, out, mode, bundled_tokenizer(cfg))
     params = num_parameters(cfg.model)
     need, free = dry_run_memory(mode, params), available_memory()
     if need > 0.85 * free:
-        validate(compose_overrides(dry_overrides(name, out, mode)))
+        validate(compose_overrides(overrides))
         print(
             f"   {name}: config valid; its 2 CPU steps ({mode}) need ~{need / 2**30:.1f} GiB and this machine "
             f"has {free / 2**30:.1f} GiB free: skipped (run the dry run where ~{need / 0.85 / 2**30:.0f} GiB are free)",
@@ -177,7 +190,7 @@ def dry_steps(name: str, out: Path) -> tuple[float, int] | None:
     env.pop("WORLD_SIZE", None)
     t0 = time.time()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "diloco.train", *dry_overrides(name, out, mode)],
+        [sys.executable, "-m", "diloco.train", *overrides],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

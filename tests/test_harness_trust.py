@@ -21,6 +21,7 @@ import pytest
 from test_harness import fake_run, launch, tiny_family
 from trainer_utils import compose_cfg
 
+from diloco.assets import asset_path
 from diloco.config import ConfigError, check_command_line, schedule_notice, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +113,21 @@ def test_the_dumb_diloco_dry_run_leg_uses_seconds_not_minutes(tmp_path):
     assert cfg.distributed.drain_timeout == 0 and cfg.distributed.poll_interval <= 1
     assert cfg.distributed.min_deltas_per_round == 0  # a lone master: no quorum to wait for at the start
     assert cfg.distributed.state_dir.startswith(str(tmp_path))  # nothing left in the repository
+
+
+@pytest.mark.parametrize(
+    ("name", "tokenizer"), [("150m/ddp_1x", "mistral-7b-v0.1"), ("tiny/ddp_1x", "sample/tokenizer")]
+)
+def test_a_dry_run_reads_the_sample_with_the_experiments_own_bundled_tokenizer(tmp_path, name, tokenizer):
+    cfg = compose_overrides([f"experiment={name}"])
+    overrides = replicate.dry_overrides(
+        name, tmp_path, cfg.distributed.mode, replicate.bundled_tokenizer(cfg)
+    )
+    dry = compose_overrides(overrides)
+    assert dry.data.name == "sample" and dry.data.tokenizer == asset_path(tokenizer)
+    # a tokenizer named by its Hub id would need the network: the dry run keeps the sample's own
+    hub = compose_overrides([f"experiment={name}", "data.tokenizer=mistralai/Mistral-7B-v0.1"])
+    assert replicate.bundled_tokenizer(hub) is None
 
 
 @pytest.mark.slow
@@ -329,9 +345,21 @@ def test_check_fails_when_there_is_nothing_to_judge(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------ 7 offline C4
-def test_c4_without_the_hub_fails_at_once_with_one_line(tmp_path):
+@pytest.mark.parametrize(
+    ("overrides", "what"),
+    [
+        # the paper's tokenizer is bundled: C4 itself is what needs the Hub
+        (["model=14m"], "data set allenai/c4 (streamed)"),
+        # a tokenizer named by its Hub id still may
+        (
+            ["model=micro", "data.tokenizer=mistralai/Mistral-7B-v0.1"],
+            "tokenizer mistralai/Mistral-7B-v0.1 (not in the cache)",
+        ),
+    ],
+)
+def test_c4_without_the_hub_fails_at_once_with_one_line(tmp_path, overrides, what):
     out = train(
-        "model=micro",
+        *overrides,
         "data=c4",
         "device=cpu",
         f"out_dir={tmp_path}",
@@ -339,9 +367,7 @@ def test_c4_without_the_hub_fails_at_once_with_one_line(tmp_path):
     )
     assert out.returncode == 2
     line = one_line(out.stderr)
-    assert line.startswith(
-        "error: tokenizer mistralai/Mistral-7B-v0.1 (not in the cache) needs the Hugging Face Hub"
-    )
+    assert line.startswith(f"error: {what} needs the Hugging Face Hub")
     assert "HF_HUB_OFFLINE is set" in line and "data=sample" in line
     assert not any(p.name != "hf" for p in tmp_path.iterdir())  # and no run folder
 

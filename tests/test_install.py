@@ -73,6 +73,9 @@ def test_wheel_holds_the_configs_and_assets_but_not_local_files(installed):
         "diloco/configs/model/micro.yaml",
         "diloco/assets/sample/tokenizer/tokenizer.json",
         "diloco/assets/sample/c4-validation.00000-of-00001.json.gz",
+        "diloco/assets/mistral-7b-v0.1/tokenizer.model",
+        "diloco/assets/mistral-7b-v0.1/tokenizer.json",
+        "diloco/assets/mistral-7b-v0.1/tokenizer_config.json",
     ):
         assert expected in names, expected
     # pyproject lists the packages explicitly (diloco.configs lives outside src/): a new subpackage

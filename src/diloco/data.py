@@ -1,8 +1,8 @@
 """C4-format text -> fixed-length token sequences, sharded per rank, resumable to the exact sample.
 
 One pipeline serves both sources: `allenai/c4` (`en`) streamed from the Hub with the Mistral-7B
-tokenizer on GPU nodes, and the bundled offline sample (same json.gz format, its own small BPE
-tokenizer) everywhere else. Both are read with `datasets.load_dataset(..., streaming=True)`.
+tokenizer (bundled, assets/mistral-7b-v0.1) on GPU nodes, and the bundled offline sample (same json.gz
+format, its own small BPE tokenizer) everywhere else. Both are read with `datasets.load_dataset(..., streaming=True)`.
 
 Sequences (each `input_ids`/`labels` of shape [seq_len]):
 - packing=false (OpenDiLoCo, the replication setting): one document per sequence, truncated and
@@ -116,7 +116,7 @@ def prefix_cut_chars(tokenizer, seq_len: int) -> int:
     non-whitespace one), a BPE model (pre-tokens are encoded independently), and no added token that
     contains whitespace. Then the tokens of the cut text are a prefix of the whole text's tokens, so
     truncating either to seq_len gives the same sequence whenever the cut one did not need padding.
-    Mistral's tokenizer (Metaspace) does not qualify and is always given whole documents."""
+    Mistral's tokenizer (a normalizer, or Metaspace) does not qualify and is always given whole documents."""
     from tokenizers import pre_tokenizers
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
