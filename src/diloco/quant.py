@@ -140,6 +140,7 @@ class QuantizedAverager:
         self.residuals: dict[int, torch.Tensor] = {}  # this worker's, per bucket (padded to W chunks)
         self.mean_residuals: dict[int, torch.Tensor] = {}  # the mean's, per bucket, of the chunk it owns
         self.cast = CastStats()
+        self._payloads: dict[tuple[bool, int], torch.Tensor] = {}  # the send buffers, per bucket
 
     def encode(self, v: torch.Tensor, residuals: dict, key: int) -> tuple[torch.Tensor, tuple]:
         """(codes of v + residual as [rows, one chunk's payload], the error sums of `encode`);
@@ -150,9 +151,10 @@ class QuantizedAverager:
         if self.error_feedback:
             residual = carry if carry is not None else torch.empty(v.numel(), device=v.device)
             residuals[key] = residual
-        out = torch.empty(
-            rows, payload_bytes(chunk, self.bits, self.block), dtype=torch.uint8, device=v.device
-        )
+        shape, slot = (rows, payload_bytes(chunk, self.bits, self.block)), (residuals is self.residuals, key)
+        out = self._payloads.get(slot)
+        if out is None or out.shape != shape:  # kept: a fresh buffer would page-fault every round
+            out = self._payloads[slot] = torch.empty(shape, dtype=torch.uint8, device=v.device)
         sums = [0.0, 0.0, 0]
         for i in range(rows):  # one payload per row, written in place: what the collective sends
             part = slice(i * chunk, (i + 1) * chunk)
