@@ -1,0 +1,178 @@
+"""Model-size ladder (issue 15): Mx DDP against DiLoCo at equal tokens, at three model sizes, on fresh data.
+
+Each rung runs the tiny family's `tiny/ddp_mx` (one replica, 4x the batch) and `tiny/diloco_fp32` (4
+workers, H=10, outer lr 0.5 / Nesterov 0.8) with `model=<size>`, `data.packing=true` (documents packed
+into 128-token sequences: the 400 steps read about a fifth of the sample's training tokens once, instead
+of the family's 5.7 repeated first-128-token prefixes at 2,000 steps) and each seed. Same data, same
+tokens, same inner optimizer settings for both; nothing is tuned per size (the family's settings,
+chosen at `micro`, are used at every rung: stated in the record).
+
+    python scripts/ladder.py --runs runs/ladder                 # every rung and seed (skips complete runs)
+    python scripts/ladder.py --runs runs/ladder --report-only   # results/ladder from the runs' summaries
+
+The record (results/ladder: summary.json, table.md, ladder.png) gives each rung's parameters, both
+methods' final held-out perplexity per seed, and the relative gap DiLoCo / DDP - 1 as mean and spread
+(max - min over seeds). Runs made from a dirty tree are refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+from plan import compose_experiment, num_parameters
+from replicate import run_local
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = ["micro", "ladder_2_2m", "ladder_3_7m"]
+METHODS = {"ddp": "tiny/ddp_mx", "diloco": "tiny/diloco_fp32"}
+OVERRIDES = ["data.packing=true"]
+
+
+def overrides(size: str, seed: int) -> list[str]:
+    return [f"model={size}", f"seed={seed}", *OVERRIDES]
+
+
+def run_dir(runs: Path, size: str, seed: int) -> Path:
+    return runs / f"{size}-s{seed}"
+
+
+def unique_train_tokens(size: str) -> int:
+    """Tokens in the training split as packing reads it (each document's tokens and its separator)."""
+    from diloco.data import load_tokenizer
+
+    cfg = compose_experiment(METHODS["ddp"], overrides(size, 0))
+    tok = load_tokenizer(cfg.data.tokenizer)
+    total = 0
+    for path in sorted(glob.glob(str(cfg.data.data_files.train))):
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            texts = [json.loads(line)["text"] for line in f]
+        total += sum(len(ids) + 1 for ids in tok(texts, add_special_tokens=False).input_ids)
+    return total
+
+
+def read_run(runs: Path, size: str, seed: int, method: str) -> dict:
+    cfg = compose_experiment(METHODS[method], overrides(size, seed))
+    path = run_dir(runs, size, seed) / cfg.run_name / "summary.json"
+    s = json.loads(path.read_text())
+    if s.get("step") != cfg.train.max_steps or s.get("status") != "completed":
+        raise SystemExit(f"{path}: not a completed run (step {s.get('step')}, status {s.get('status')})")
+    if str(s.get("git_commit", "")).endswith("-dirty") or not s.get("git_commit"):
+        raise SystemExit(f"{path}: made from a dirty tree; rerun it from a commit")
+    keys = ("final_eval_perplexity", "tokens_seen", "wall_seconds", "git_commit", "step")
+    return {"path": str(path), **{k: s[k] for k in keys}}
+
+
+def rung(runs: Path, size: str, seeds: list[int]) -> dict:
+    cfg = compose_experiment(METHODS["ddp"], overrides(size, seeds[0]))
+    runs_ = {m: [read_run(runs, size, s, m) for s in seeds] for m in METHODS}
+    gaps = [
+        d["final_eval_perplexity"] / p["final_eval_perplexity"] - 1
+        for d, p in zip(runs_["diloco"], runs_["ddp"])
+    ]
+    mean = {m: sum(r["final_eval_perplexity"] for r in rs) / len(rs) for m, rs in runs_.items()}
+    return {
+        "size": size,
+        "parameters": num_parameters(cfg.model),
+        "runs": runs_,
+        "gap_per_seed": gaps,
+        "gap_of_means": mean["diloco"] / mean["ddp"] - 1,
+        "gap_mean": sum(gaps) / len(gaps),
+        "gap_spread": max(gaps) - min(gaps),
+        "tokens_seen": runs_["ddp"][0]["tokens_seen"],
+    }
+
+
+def table(rungs: list[dict], seeds: list[int]) -> str:
+    head = "| parameters | DDP Mx ppl (seeds) | DiLoCo ppl (seeds) | gap per seed | gap mean ± spread |"
+    lines = [head, "|---|---|---|---|---|"]
+    for r in rungs:
+        ppl = {m: ", ".join(f"{x['final_eval_perplexity']:.2f}" for x in r["runs"][m]) for m in METHODS}
+        per_seed = ", ".join(f"{g:+.1%}" for g in r["gap_per_seed"])
+        lines.append(
+            f"| {r['parameters']:,} ({r['size']}) | {ppl['ddp']} | {ppl['diloco']} | {per_seed} "
+            f"| {r['gap_mean']:+.1%} ± {r['gap_spread']:.1%} |"
+        )
+    return "\n".join(lines) + f"\n\nSeeds: {', '.join(map(str, seeds))}; spread = max - min over seeds.\n"
+
+
+def plot(rungs: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["parameters"] for r in rungs]
+    ax.errorbar(
+        xs,
+        [100 * r["gap_mean"] for r in rungs],
+        yerr=[
+            [100 * (r["gap_mean"] - min(r["gap_per_seed"])) for r in rungs],
+            [100 * (max(r["gap_per_seed"]) - r["gap_mean"]) for r in rungs],
+        ],  # fmt: skip
+        marker="o",
+        capsize=4,
+        label="DiLoCo (4 workers, H=10) vs 4x-batch DDP, mean and seed range",
+    )
+    for r in rungs:
+        ax.scatter(
+            [r["parameters"]] * len(r["gap_per_seed"]), [100 * g for g in r["gap_per_seed"]], s=10, c="k"
+        )
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("final held-out perplexity gap (%)")
+    ax.set_title("Model-size ladder at equal tokens (400 steps, fresh data)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=Path, default=Path("runs/ladder"))
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "ladder")
+    p.add_argument("--sizes", nargs="*", default=SIZES)
+    p.add_argument("--seeds", nargs="*", type=int, default=[1337, 1])
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args(argv)
+    if not args.report_only:
+        for size in args.sizes:
+            for seed in args.seeds:
+                for method in METHODS.values():
+                    run_local(method, run_dir(args.runs, size, seed), overrides(size, seed))
+    rungs = [rung(args.runs, size, args.seeds) for size in args.sizes]
+    unique = unique_train_tokens(args.sizes[0])
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "command": "python scripts/ladder.py --runs " + str(args.runs),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, no GPU",
+        "report_commit": subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
+        "overrides": OVERRIDES,
+        "unique_train_tokens": unique,
+        "epochs": rungs[0]["tokens_seen"] / unique,
+        "rungs": rungs,
+    }
+    (args.out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+    regime = (
+        f"Data regime: packing, {unique:,} unique training tokens, {rungs[0]['tokens_seen']:,} tokens "
+        f"trained per run ({record['epochs']:.2f} epochs).\n\n"
+    )
+    (args.out / "table.md").write_text(regime + table(rungs, args.seeds))
+    plot(rungs, args.out / "ladder.png")
+    print(regime + table(rungs, args.seeds))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
