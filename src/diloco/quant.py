@@ -71,7 +71,8 @@ def dequantize(
     blocks = -(-n // block)
     code_bytes = blocks * block * bits // 8
     codes, scale_bytes = payload[:code_bytes], payload[code_bytes:]
-    if out is not None and out.dtype == torch.float32 and quant_kernel.usable(payload, out):
+    fast = out is not None and out.dtype == torch.float32 and payload.dtype == torch.uint8
+    if fast and quant_kernel.usable(payload, out):
         quant_kernel.decode(codes, scale_bytes, out, bits, block, accumulate)
         return out
     scales = scale_bytes.clone().view(torch.bfloat16).float()  # [blocks]; clone: 2-byte aligned
@@ -103,7 +104,8 @@ def encode(
     n = x.numel()
     if out is None:
         out = torch.empty(payload_bytes(n, bits, block), dtype=torch.uint8, device=x.device)
-    if x.dtype == torch.float32 and quant_kernel.usable(x, carry, residual, out):
+    f32 = all(t is None or t.dtype == torch.float32 for t in (x, carry, residual))
+    if f32 and out.dtype == torch.uint8 and quant_kernel.usable(x, carry, residual, out):
         payload = out
         code_bytes = -(-n // block) * block * bits // 8
         stats = quant_kernel.encode(

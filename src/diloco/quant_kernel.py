@@ -182,15 +182,19 @@ def kernel() -> ctypes.CDLL | None:
     if _lib is None:
         try:
             _lib = _build()
-        except (OSError, subprocess.SubprocessError) as e:
+        except Exception as e:  # no compiler, no writable cache, ...: the torch ops do the same
             log.warning("quantization runs in eager torch (no C kernel: %s)", str(e).splitlines()[0])
             _lib = False
     return _lib or None
 
 
 def usable(*tensors: torch.Tensor | None) -> bool:
-    """The kernel can take these: contiguous CPU tensors (None: absent) and the kernel is built."""
-    ok = all(t is None or (t.device.type == "cpu" and t.is_contiguous()) for t in tensors)
+    """The kernel can take these: contiguous CPU tensors, float32 or uint8 (None: absent), and it is built."""
+    ok = all(
+        t is None
+        or (t.device.type == "cpu" and t.is_contiguous() and t.dtype in (torch.float32, torch.uint8))
+        for t in tensors
+    )
     return ok and kernel() is not None
 
 
