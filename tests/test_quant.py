@@ -74,6 +74,19 @@ def test_the_cpu_kernel_computes_the_same_bits_as_the_torch_ops(monkeypatch, bit
         assert a == pytest.approx(b, rel=1e-5, abs=1e-30)
 
 
+def test_without_a_compiler_the_torch_ops_run_with_one_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(quant_kernel, "_lib", None)  # not tried yet
+    monkeypatch.setenv("DILOCO_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    x = torch.randn(300, generator=torch.Generator().manual_seed(5))
+    with caplog.at_level("WARNING"):
+        payload, _ = encode(x, 8, 64)
+        assert quant_kernel.kernel() is None
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["quantization runs in eager torch"]
+    assert torch.equal(payload, quantize(x, 8, 64))
+    assert list(tmp_path.iterdir()) == []  # nothing half-built left behind
+
+
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_averaging_with_the_cpu_kernel_equals_the_torch_ops_over_rounds(monkeypatch, dtype):
     """Three workers, error feedback at both quantizations, four rounds: the same means and residuals."""
