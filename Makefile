@@ -16,7 +16,7 @@ FORCE ?= 0
 NODES_FILE ?= configs/local/nodes.txt
 export NODES_FILE
 
-.PHONY: help setup lock check-lock demo test test-gpu lint clean replicate-tiny replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
+.PHONY: help setup lock check-lock demo test test-gpu lint clean replicate-tiny replicate-gpu replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
 
 help:  ## list what can be run
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-18s %s\n", $$1, $$2}'
@@ -76,6 +76,14 @@ replicate-tiny: setup  ## the whole CPU-scale family here (~20 min on 2 cores), 
 	$(PY) scripts/replicate.py --family tiny
 	$(PY) scripts/report.py --family tiny --runs runs
 	$(PY) scripts/check.py --family tiny --runs runs
+
+# SMOKE=1: the same runs, report and check, tiny, on CPU (what tests/test_replicate_gpu.py runs); the
+# report then goes beside the runs and the verdicts judge the pipeline, not the paper (a FAIL is expected).
+GPU_OUT = $(or $(OUT),$(if $(filter 1,$(SMOKE)),$(RUNS)/gpu-report,results/gpu))
+replicate-gpu: setup  ## the paper's comparison at 14M on this machine's one GPU (~10 min on an H100/H200), then its report (results/gpu; OUT=dir, FORCE=1) and check
+	$(PY) scripts/replicate.py --family gpu --runs $(RUNS) $(if $(filter 1,$(SMOKE)),--cpu-smoke,)
+	$(PY) scripts/report.py --family gpu --runs $(RUNS) --out $(GPU_OUT) $(if $(filter 1,$(FORCE)),--force,)
+	$(PY) scripts/check.py --family gpu --runs $(RUNS)$(if $(filter 1,$(SMOKE)), || echo "smoke run: verdicts at tiny size",)
 
 replicate-150m: setup  ## all 150M runs of the paper, in order, on the GPU nodes in NODES_FILE (DRY_RUN=1: plan + 2 CPU steps each)
 	$(PY) scripts/replicate.py --family 150m $(DRY)

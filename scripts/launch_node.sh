@@ -87,7 +87,7 @@ else
   if [[ $DRY_RUN != 1 ]]; then
     command -v nvidia-smi >/dev/null 2>&1 || die "no GPU on this node (nvidia-smi not found); use --cpu for the tiny family"
     ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-    (( ngpu >= EXP_GPUS_PER_NODE )) || die "$EXPERIMENT needs $EXP_GPUS_PER_NODE GPUs on this node, found $ngpu"
+    (( ngpu >= EXP_GPUS_NEEDED )) || die "$EXPERIMENT needs $EXP_GPUS_NEEDED GPUs on this node, found $ngpu"
   fi
 fi
 

@@ -105,7 +105,15 @@ def topology(cfg: DictConfig) -> dict:
         workers = nodes  # one DumbDiLoCo node per machine (or per GPU, see README)
     else:
         workers = 1
-    return {"mode": mode, "nodes": nodes, "gpus_per_node": gpus, "world_size": world, "workers": workers}
+    shared = int(cfg.launch.get("ranks_per_gpu") or 1)  # ranks sharing one GPU (the one-GPU family)
+    return {
+        "mode": mode,
+        "nodes": nodes,
+        "gpus_per_node": gpus,
+        "gpus_needed": -(-gpus // shared),
+        "world_size": world,
+        "workers": workers,
+    }
 
 
 def wire_bytes(params: int, dcfg: DictConfig) -> float:
@@ -147,6 +155,7 @@ def shell_vars(name: str, overrides: list[str]) -> str:
         "EXP_MODE": topo["mode"],
         "EXP_NODES": topo["nodes"],
         "EXP_GPUS_PER_NODE": topo["gpus_per_node"],
+        "EXP_GPUS_NEEDED": topo["gpus_needed"],
         "EXP_WORKERS": topo["workers"],
         "EXP_RUN_NAME": cfg.run_name,
         "EXP_OUT_DIR": cfg.out_dir,
@@ -184,8 +193,9 @@ def describe(name: str) -> str:
     lines = [
         f"== {name}: {cfg.run_name}",
         f"   model {cfg.model.name} ({vol['parameters'] / 1e6:.1f}M params), data {cfg.data.name}, "
-        f"mode {topo['mode']}, {topo['nodes']} node(s) x {topo['gpus_per_node']} rank(s), "
-        f"{topo['workers']} worker(s)",
+        f"mode {topo['mode']}, {topo['nodes']} node(s) x {topo['gpus_per_node']} rank(s)"
+        + (f" on {topo['gpus_needed']} GPU(s)" if topo["gpus_needed"] < topo["gpus_per_node"] else "")
+        + f", {topo['workers']} worker(s)",
         f"   {vol['steps']:,} steps x {cfg.train.batch_size} seq x {cfg.data.seq_len} tokens"
         f" -> {_si(vol['tokens'], 'tokens')} in all",
         f"   communication per worker: {_si(vol['bytes_per_inner_step'], 'B')} per inner step, "

@@ -1,7 +1,9 @@
 """Run a family of experiments in order: `make replicate-150m`, `replicate-1b`, `ablation-fp16`,
-`replicate-tiny`.
+`replicate-tiny`, `replicate-gpu`.
 
     python scripts/replicate.py --family tiny                     # here, on CPU, every run of the family
+    python scripts/replicate.py --family gpu                      # here, every run on this machine's one GPU
+    python scripts/replicate.py --family gpu --cpu-smoke          # the same runs, tiny, on CPU (the test suite)
     python scripts/replicate.py --family 150m --dry-run           # plan + 2 real CPU steps of each config
     python scripts/replicate.py --family 150m --hosts-file nodes.txt
 
@@ -17,6 +19,11 @@ the bundled sample in place of C4, read with C4's tokenizer, the paper's, bundle
 a lone master polling every second), so a broken config is caught before a GPU hour is spent. Each
 leg's own output is printed as it comes, then its time and peak memory; a leg that needs more memory
 than is free is validated and skipped, saying so.
+
+Local families run one after another on this machine (`run_local`): the tiny ones on CPU, the one-GPU
+family on cuda:0, its W workers sharing the GPU (launch.ranks_per_gpu). --cpu-smoke runs the one-GPU
+family's experiments as they are, only with the micro model, 32-token sequences and 20 steps on CPU
+(CPU_SMOKE): what the test suite runs to check the pipeline, not the science.
 """
 
 from __future__ import annotations
@@ -66,6 +73,8 @@ FAMILIES = {  # the order runs are started in
         "150m/diloco_8w_h500_fp16",
     ],
     "tiny": ["tiny/ddp_1x", "tiny/ddp_mx", "tiny/diloco_fp32", "tiny/diloco_fp16", "tiny/dumb_diloco"],
+    # issue 15: the same comparison at 14M on one GPU in about 10 minutes (results/gpu)
+    "gpu": ["gpu/ddp_1x", "gpu/ddp_mx", "gpu/diloco_fp32", "gpu/diloco_fp16", "gpu/dumb_diloco"],
     # issue 13: compressed pseudo-gradients and streaming fragments against FP32 (results/tiny-compress)
     "tiny-compress": [
         "tiny/diloco_fp32",
@@ -77,6 +86,25 @@ FAMILIES = {  # the order runs are started in
         "tiny/dumb_diloco_int4",
     ],
 }
+
+
+# the families that run on this machine (run_local), and their device; the rest run on a hosts file's nodes
+LOCAL_FAMILIES = {"tiny": "cpu", "tiny-compress": "cpu", "gpu": "cuda"}
+
+# --cpu-smoke: every run of a GPU family at a size 2 CPU cores take in seconds. The batches, H and the
+# topology (W workers, the DDP ranks, the DumbDiLoCo nodes) stay the experiment's; the micro model reads
+# the sample with its own tokenizer (vocab 1024), 20 steps of 32-token sequences, evaluated every 10.
+CPU_SMOKE = [
+    "model=micro",
+    "data.tokenizer=${diloco_asset:sample/tokenizer}",
+    "data.seq_len=32",
+    "train.max_steps=20",
+    "optim.total_steps=20",
+    "optim.warmup_steps=2",
+    "train.eval_every=10",
+    "eval.tokens=2048",
+    "wandb.mode=disabled",
+]
 
 
 def family_runs(family: str) -> list[str]:
@@ -246,17 +274,18 @@ def run_cluster(name: str, hosts: list[str], port: int) -> None:
         raise RuntimeError(f"{name} failed on {', '.join(failed)}; logs: runs/<run_name>/launch-node*.log")
 
 
-def run_local(name: str, runs: Path, overrides: list[str] = ()) -> None:
-    """The tiny family: every run on this machine, on CPU."""
+def run_local(name: str, runs: Path, overrides: list[str] = (), device: str = "cpu") -> None:
+    """A local family's run on this machine: on CPU (the tiny families, --cpu-smoke) or on its GPU."""
     cfg = compose_experiment(name, list(overrides))
     common = [f"out_dir={runs}", "train.progress=false", *overrides]
     summary = runs / cfg.run_name / "summary.json"
     if summary.exists() and json.loads(summary.read_text()).get("step") == cfg.train.max_steps:
         print(f"   {name}: already complete in {summary.parent} (delete it to run again)", flush=True)
         return
+    cpu = ["--cpu"] if device == "cpu" else []
     if cfg.distributed.mode != "dumb_diloco":
         subprocess.run(
-            ["scripts/launch_node.sh", "--experiment", name, "--cpu", "--", *common], cwd=ROOT, check=True
+            ["scripts/launch_node.sh", "--experiment", name, *cpu, "--", *common], cwd=ROOT, check=True
         )
         return
     nodes = topology(cfg)["nodes"]
@@ -274,7 +303,7 @@ def run_local(name: str, runs: Path, overrides: list[str] = ()) -> None:
             "scripts/launch_node.sh",
             "--experiment",
             name,
-            "--cpu",
+            *cpu,
             "--role",
             "master" if rank == 0 else "worker",
             "--node-id",
@@ -294,6 +323,15 @@ def run_local(name: str, runs: Path, overrides: list[str] = ()) -> None:
         raise RuntimeError(f"{name}: node exit codes {codes}")
 
 
+def no_cuda() -> str | None:
+    """Why this machine cannot run on a GPU, or None when it can."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "this machine has none (torch.cuda.is_available() is False)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", required=True, choices=sorted(FAMILIES))
@@ -305,7 +343,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=Path, default=Path("runs"))
     p.add_argument("--only", nargs="*", help="a subset of the family's experiments")
     p.add_argument("--override", action="append", default=[], help="a hydra override for every local run")
+    p.add_argument(
+        "--cpu-smoke", action="store_true", help="a GPU family's runs, tiny, on CPU (the test suite's check)"
+    )
     args = p.parse_args(argv)
+    device = LOCAL_FAMILIES.get(args.family)
+    if args.cpu_smoke:
+        if device != "cuda":
+            p.error(
+                f"--cpu-smoke is for a GPU family ({', '.join(f for f, d in LOCAL_FAMILIES.items() if d == 'cuda')})"
+            )
+        device, args.override = "cpu", [*CPU_SMOKE, *args.override]
+        os.environ["OMP_NUM_THREADS"] = "1"  # up to 4 ranks on a few cores: one thread each, not 2 each
+    if device == "cuda" and not args.dry_run and (why := no_cuda()):
+        print(
+            f"error: the {args.family} family needs a CUDA GPU and {why} (`make replicate-gpu SMOKE=1`, or --cpu-smoke, runs it tiny on CPU)",
+            file=sys.stderr,
+        )
+        return 1
     names = [n for n in family_runs(args.family) if not args.only or n in args.only]
     try:
         for name in names:
@@ -322,9 +377,9 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
             return 0
-        if args.family.startswith("tiny"):  # every CPU-scale family runs here
+        if device is not None:  # a family that runs on this machine
             for name in names:
-                run_local(name, args.runs, args.override)
+                run_local(name, args.runs, args.override, device)
             return 0
         if not args.hosts_file.exists():
             raise PlanError(f"no hosts file {args.hosts_file}: list the GPU nodes, one per line (see README)")

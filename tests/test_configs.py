@@ -97,6 +97,7 @@ def test_heads_must_divide_hidden_size():
         ("data.sharding=random", "data.sharding must be"),
         ("data.shard=3", "must be set together"),
         ("device=tpu", "device must be"),
+        ("launch.ranks_per_gpu=0", "launch.ranks_per_gpu must be a positive"),
     ],
 )
 def test_bad_values_are_named(override, message):

@@ -43,11 +43,13 @@ def worker_batch(worker: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def diloco_cfg(**overrides):
     """distributed=diloco's defaults (configs/distributed/diloco.yaml takes them from diloco.schema)."""
-    from diloco.schema import DiLoCoConfig
+    from diloco.schema import DiLoCoConfig, LaunchConfig
 
     dcfg = OmegaConf.structured(DiLoCoConfig)
     dcfg = OmegaConf.merge(dcfg, {"inner_steps": H, "cosine_sample_size": 1 << 20, **overrides})
-    return OmegaConf.create({"device": "cpu", "distributed": dcfg})
+    return OmegaConf.create(
+        {"device": "cpu", "distributed": dcfg, "launch": OmegaConf.structured(LaunchConfig)}
+    )
 
 
 def train_tiny(strategy, model, opt, worker: int, part: int, parts: int, micro: int, on_step=None):

@@ -1,6 +1,7 @@
 """The trainer on CUDA: bf16 eager and compiled steps agree with each other and with float32, a resume
-continues the run, and a DumbDiLoCo master and worker train on the GPU. `make test-gpu` runs these;
-without CUDA they are skipped (DILOCO_GPU_TESTS_ON_CPU=1 runs them on the CPU, to check the tests)."""
+continues the run, a DumbDiLoCo master and worker train on the GPU, and W ranks share one GPU (gloo).
+`make test-gpu` runs these; without CUDA they are skipped (DILOCO_GPU_TESTS_ON_CPU=1 runs them on the
+CPU, to check the tests)."""
 
 from __future__ import annotations
 
@@ -97,3 +98,23 @@ def test_dumb_diloco_master_and_worker_on_the_device(tmp_path):
     assert worker["comm/boundaries"] == STEPS // 4 and worker["comm/uploads"] >= 1
     assert worker["comm/uploads"] + worker["comm/skipped_boundaries"] == STEPS // 4
     assert _summary(tmp_path / "master")["dumb_diloco/role"] == "master"
+
+
+@pytest.mark.parametrize(
+    ("mode", "ranks"), [("ddp", 2), ("diloco", 4)], ids=["ddp-2-ranks", "diloco-4-workers"]
+)
+def test_ranks_share_one_gpu_through_gloo(tmp_path, mode, ranks):
+    """launch.ranks_per_gpu: W ranks on one GPU (the one-GPU family, `make replicate-gpu`), which NCCL
+    refuses; the process group is gloo, on CUDA tensors, and every rank trains on cuda:0."""
+    from mp_utils import run_trainer
+
+    extra = ["distributed.inner_steps=4", "distributed.ranks_per_worker=1"] if mode == "diloco" else []
+    run_trainer(
+        ranks,
+        [*SMALL, *GPU, "precision=bf16", "compile=false", f"out_dir={tmp_path}", "run_name=shared",
+         f"distributed={mode}", *extra, f"launch.gpus_per_node={ranks}", f"launch.ranks_per_gpu={ranks}"],
+    )  # fmt: skip
+    summary = _summary(tmp_path / "shared")
+    assert summary["world_size"] == ranks and summary["step"] == STEPS
+    assert summary["device"] == ("cuda:0" if DEVICE == "cuda" else "cpu")
+    assert summary["comm/total_bytes"] > 0

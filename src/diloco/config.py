@@ -369,7 +369,7 @@ def validate(cfg: DictConfig) -> None:
     c = typed(resolved, schema.Config, "")
 
     for key in ("optim.lr", "train.batch_size", "train.micro_batch_size", "data.seq_len", "eval.tokens",
-                "eval.micro_batch_size", "optim.total_steps"):  # fmt: skip
+                "eval.micro_batch_size", "optim.total_steps", "launch.ranks_per_gpu"):  # fmt: skip
         block, name = key.split(".")
         _number(getattr(c, block), name, f"{block}.", 0)
     for key in ("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps", "train.max_steps",

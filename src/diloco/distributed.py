@@ -52,12 +52,13 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def pick_device(device: str, local_rank: int) -> torch.device:
+def pick_device(device: str, index: int) -> torch.device:
+    """The device of this rank: CPU, or GPU `index` (the local rank, or local rank // ranks_per_gpu)."""
     if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("device=cuda but CUDA is not available on this machine")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
@@ -141,9 +142,11 @@ def init_distributed(cfg) -> DistContext:
         )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     g = _resolve_topology(dcfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    device = pick_device(cfg.device, local_rank)
+    shared = int(cfg.launch.ranks_per_gpu)  # ranks per GPU: consecutive local ranks share one
+    device = pick_device(cfg.device, local_rank // shared)
     timeout = timedelta(seconds=float(dcfg.timeout_seconds)) if dcfg.get("timeout_seconds") else None
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    nccl = device.type == "cuda" and shared == 1  # NCCL refuses two ranks on one GPU; gloo takes CUDA tensors
+    dist.init_process_group("nccl" if nccl else "gloo", timeout=timeout)
     ctx = DistContext(rank, world, local_rank, device, world // g, rank // g, g)
     if dcfg.mode in ("ddp", "dumb_diloco"):  # one worker of all ranks (the default group)
         return ctx

@@ -65,6 +65,9 @@ class LaunchConfig:
 
     nodes: int = 1  # machines
     gpus_per_node: int = 1  # ranks per machine (torchrun --nproc_per_node)
+    # ranks that share one GPU (>1: W workers on fewer GPUs, e.g. the one-GPU family; the process group
+    # is then gloo, which takes CUDA tensors, since NCCL refuses two ranks on one GPU)
+    ranks_per_gpu: int = 1
     family: Optional[str] = None  # runs compared in one report (results/<family>/), also the W&B group
     reference: Optional[str] = (
         None  # key of the paper number this run is checked against (results/reference.yaml)
