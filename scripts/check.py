@@ -2,10 +2,14 @@
 
     python scripts/check.py [--runs runs] [--family tiny] [--family 150m]
     python scripts/check.py --runs results/tiny      # a committed record, judged again from its summaries
+    python scripts/check.py --runs runs-s1337 --runs runs-s1   # one folder per seed, judged together
 
 Prints run / expected / measured / delta / verdict and exits 1 when a finished run or claim is outside
 its tolerance (runs still missing or unfinished are PENDING and do not fail the check), and when there
 is nothing to judge (no run, or every verdict PENDING): a CI job never passes on an empty folder.
+With several seeds (a --runs per seed), each check is measured per seed and its delta is the mean and
+spread (max - min) over seeds: PASS when every seed passes, FAIL when none does, UNCERTAIN (which fails
+the check too: the claim is not established) when the seeds fall on both sides of the bar.
 """
 
 from __future__ import annotations
@@ -19,14 +23,17 @@ from diloco.replication import REFERENCE, check, markdown_table
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=Path, default=Path("runs"), help="directory holding the run directories")
+    p.add_argument(
+        "--runs", type=Path, action="append", help="directory holding the run directories (one per seed)"
+    )
     p.add_argument("--family", action="append", help="only these families (default: every family found)")
     p.add_argument("--reference", type=Path, default=REFERENCE)
     args = p.parse_args(argv)
-    verdicts = check(args.runs, args.family, args.reference)
+    roots = args.runs or [Path("runs")]
+    verdicts = check(roots, args.family, args.reference)
     if not verdicts:
         print(
-            f"error: nothing to judge: no finished run with a reference under {args.runs}/ "
+            f"error: nothing to judge: no finished run with a reference under {', '.join(map(str, roots))} "
             "(run make replicate-tiny or a paper run first, or RUNS=results/tiny for the committed record)",
             file=sys.stderr,
         )
@@ -34,13 +41,19 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(verdicts))
     failed = [v.id for v in verdicts if v.verdict == "FAIL"]
     pending = [v.id for v in verdicts if v.verdict == "PENDING"]
+    uncertain = [v.id for v in verdicts if v.verdict == "UNCERTAIN"]
+    passed = len(verdicts) - len(failed) - len(pending) - len(uncertain)
     print(
-        f"\n{len(verdicts) - len(failed) - len(pending)} passed, {len(failed)} failed, {len(pending)} pending"
+        f"\n{passed} passed, {len(failed)} failed, {len(pending)} pending"
+        + (f", {len(uncertain)} uncertain (seeds on both sides)" if uncertain else "")
     )
     if len(pending) == len(verdicts):
-        print(f"error: nothing to judge: every check under {args.runs}/ is pending", file=sys.stderr)
+        print(
+            f"error: nothing to judge: every check under {', '.join(map(str, roots))} is pending",
+            file=sys.stderr,
+        )
         return 1
-    return 1 if failed else 0
+    return 1 if failed or uncertain else 0
 
 
 if __name__ == "__main__":

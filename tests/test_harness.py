@@ -18,6 +18,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from check import main as check_main  # noqa: E402
 from plan import compose_experiment, experiments, topology, volume  # noqa: E402
 
+from diloco.replication import check  # noqa: E402
+
 
 def launch(*args, env=None):
     e = {**os.environ, "PYTHON": sys.executable, **(env or {})}
@@ -245,6 +247,37 @@ def test_check_fails_a_claim_outside_tolerance(tmp_path, capsys):
     assert check_main(["--runs", str(tmp_path), "--family", "tiny"]) == 1
     row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| C2 |"))
     assert row.endswith("FAIL |")
+
+
+def test_check_judges_each_claim_on_every_seed_with_the_mean_and_spread(tmp_path, capsys):
+    # C2 (FP16 within 1% of FP32): seed 1 +0.33%, seed 2 +3.28% (fails), seed 3 +0.66%
+    for seed, fp16_end in ((1, 30.6), (2, 31.5), (3, 30.7)):
+        tiny_family(tmp_path / f"s{seed}", fp16_end=fp16_end)
+    rows = {}
+
+    def judged(*seeds) -> int:
+        code = check_main(
+            [a for s in seeds for a in ("--runs", str(tmp_path / f"s{s}"))] + ["--family", "tiny"]
+        )
+        out = capsys.readouterr().out
+        rows.update({line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| C")})
+        return code
+
+    assert judged(1, 3) == 0  # both seeds pass every claim
+    c2 = rows["C2"].split("|")
+    assert c2[4].strip() == "30.60 vs 30.50; 30.70 vs 30.50" and c2[6].strip() == "PASS"
+    assert c2[5].strip() == "+0.49% ± 0.33% (2 seeds)"  # mean of +0.33% and +0.66%, max - min
+    assert judged(1, 2) == 1  # seed 2 fails C2, seed 1 passes it: not established
+    assert rows["C2"].rstrip(" |").endswith("UNCERTAIN") and rows["C1"].rstrip(" |").endswith("PASS")
+    assert judged(2) == 1 and rows["C2"].rstrip(" |").endswith("FAIL")
+
+
+def test_the_early_gap_is_relative_and_at_the_step_both_runs_were_evaluated(tmp_path):
+    fake_run(tmp_path, "mx", "tiny/ddp_mx", [(50, 80.0), (100, 40.0), (400, 30.0)])
+    fake_run(tmp_path, "fp32", "tiny/diloco_fp32", [(100, 50.0), (400, 33.0)], inner_steps=25)
+    (c4,) = [v for v in check(tmp_path, ["tiny"]) if v.id == "C4"]  # early = 20% of 400 = step 80
+    assert c4.measured == "gap +25.0% at step 100 -> +10.0% at 400"
+    assert (c4.delta, c4.verdict) == ("-15.0 pp", "PASS")
 
 
 def test_check_compares_paper_numbers_with_training_perplexity(tmp_path, capsys):

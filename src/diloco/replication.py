@@ -151,30 +151,70 @@ class Verdict:
     expected: str
     measured: str
     delta: str
-    verdict: str  # PASS | FAIL | PENDING
+    verdict: str  # PASS | FAIL | PENDING | UNCERTAIN (seeds on both sides of the bar)
 
     def row(self) -> list[str]:
         return [self.id, self.claim, self.expected, self.measured, self.delta, self.verdict]
+
+
+@dataclass
+class Measure:
+    """One seed's figure for a check: what it measured, the number it is judged on, and the judgement."""
+
+    expected: str
+    measured: str
+    value: float | None
+    ok: bool
+    unit: str = ""  # "%": value is a fraction; "pp": percentage points; "": as it is
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def check_absolute(runs: dict[str, Run], reference: dict) -> list[Verdict]:
+def _value(x: float | None, unit: str, sign: bool = True) -> str:
+    if x is None:
+        return "-"
+    if unit == "%":
+        return f"{x:+.2%}" if sign else f"{x:.2%}"
+    if unit == "pp":
+        return f"{100 * x:+.1f} pp" if sign else f"{100 * x:.1f} pp"
+    return f"{x:+.2f}" if sign and unit == "ppl" else _fmt(x, 3 if unit == "x" else 2)
+
+
+def judge(check_id: str, what: str, seeds: list[Measure]) -> Verdict:
+    """One verdict from each seed's measure. One seed: its judgement. Several: the mean and spread (max -
+    min) of the judged number, PASS if every seed passes, FAIL if none does, UNCERTAIN otherwise."""
+    first = seeds[0]
+    if len(seeds) == 1:
+        return Verdict(check_id, what, first.expected, first.measured,
+                       _value(first.value, first.unit), "PASS" if first.ok else "FAIL")  # fmt: skip
+    values = [m.value for m in seeds if m.value is not None]
+    delta = "-"
+    if values:
+        mean, spread = sum(values) / len(values), max(values) - min(values)
+        delta = f"{_value(mean, first.unit)} ± {_value(spread, first.unit, sign=False)} ({len(seeds)} seeds)"
+    passed = sum(m.ok for m in seeds)
+    verdict = "PASS" if passed == len(seeds) else "FAIL" if passed == 0 else "UNCERTAIN"
+    return Verdict(check_id, what, first.expected, "; ".join(m.measured for m in seeds), delta, verdict)
+
+
+def check_absolute(seeds: list[dict[str, Run]], reference: dict) -> list[Verdict]:
     out = []
     window = reference.get("train_window", 0.02)
     for key, ref in (reference.get("runs") or {}).items():
-        run = runs.get(key)
         expected = f"{ref['perplexity']:.2f} +- {ref['tolerance']}"
-        if run is None or not run.finished:
+        if any(runs.get(key) is None or not runs[key].finished for runs in seeds):
             out.append(Verdict(key, ref["source"], expected, "-", "-", "PENDING"))
             continue
-        train_ppl = run.train_perplexity(window)
-        delta = train_ppl - ref["perplexity"] if train_ppl is not None else None
-        ok = delta is not None and abs(delta) <= ref["tolerance"]
-        measured = f"train {_fmt(train_ppl)} / eval {_fmt(run.eval_perplexity())}"
-        out.append(Verdict(key, ref["source"], expected, measured, _fmt(delta), "PASS" if ok else "FAIL"))
+        measures = []
+        for runs in seeds:
+            train_ppl = runs[key].train_perplexity(window)
+            delta = train_ppl - ref["perplexity"] if train_ppl is not None else None
+            ok = delta is not None and abs(delta) <= ref["tolerance"]
+            measured = f"train {_fmt(train_ppl)} / eval {_fmt(runs[key].eval_perplexity())}"
+            measures.append(Measure(expected, measured, delta, ok))
+        out.append(judge(key, ref["source"], measures))
     return out
 
 
@@ -186,90 +226,76 @@ def _factor(spec, run: Run) -> float:
     return float(spec[:-1] or 1) * h if spec.endswith("H") else float(spec)
 
 
-def check_claim(claim: dict, runs: dict[str, Run]) -> Verdict:
-    a, b = runs.get(claim["a"]), runs.get(claim["b"])
+def measure(claim: dict, a: Run, b: Run) -> Measure:
+    """One seed's figure for a claim in relative form (results/reference.yaml, `claims`)."""
     kind, tol = claim["kind"], claim.get("tolerance", 0.0)
-    if a is None or b is None or not (a.finished and b.finished):
-        missing = [k for k, r in ((claim["a"], a), (claim["b"], b)) if r is None or not r.finished]
-        return Verdict(claim["id"], claim["claim"], kind, f"waiting for {', '.join(missing)}", "-", "PENDING")
     if kind == "bytes_ratio":
         factor = _factor(claim["factor"], a)
         ba, bb = a.bytes_per_inner_step(), b.bytes_per_inner_step()
         ratio = bb / ba if ba else None
-        ok = ratio is not None and abs(ratio / factor - 1) <= tol
-        return Verdict(
-            claim["id"],
-            claim["claim"],
-            f"{factor:.0f}x",
-            f"{_fmt(ratio, 1)}x",
-            _fmt(None if ratio is None else ratio / factor - 1, 3),
-            "PASS" if ok else "FAIL",
-        )
-    if kind == "gap_closes":
+        rel = None if ratio is None else ratio / factor - 1
+        ok = rel is not None and abs(rel) <= tol
+        return Measure(f"{factor:.0f}x", f"{_fmt(ratio, 1)}x", rel, ok, "x")
+    if kind == "gap_closes":  # relative gaps a/b - 1, at the first eval at or after the early fraction
         end = min(a.report_step, b.report_step)
-        early = int(end * claim.get("early", 0.1))
-        pa_e, pb_e = _eval_at_or_after(a, early), _eval_at_or_after(b, early)
-        pa, pb = a.eval_perplexity(end), b.eval_perplexity(end)
+        early = _first_eval_step(a, b, int(end * claim.get("early", 0.1)))
+        expected = "gap early > 0, gap end < gap early"
+        if early is None:
+            return Measure(expected, "no eval records", None, False, "pp")
+        pa_e, pb_e, pa, pb = (
+            a.eval_perplexity(early),
+            b.eval_perplexity(early),
+            a.eval_perplexity(end),
+            b.eval_perplexity(end),
+        )
         if None in (pa_e, pb_e, pa, pb):
-            return Verdict(claim["id"], claim["claim"], kind, "no eval records", "-", "FAIL")
-        gap_early, gap_end = pa_e - pb_e, pa - pb
-        ok = gap_early > 0 and gap_end < gap_early
-        return Verdict(
-            claim["id"],
-            claim["claim"],
-            "gap early > 0, gap end < gap early",
-            f"gap {gap_early:+.2f} at step {early} -> {gap_end:+.2f} at {end}",
-            _fmt(gap_end - gap_early),
-            "PASS" if ok else "FAIL",
-        )
+            return Measure(expected, "no eval records", None, False, "pp")
+        gap_early, gap_end = pa_e / pb_e - 1, pa / pb - 1
+        measured = f"gap {gap_early:+.1%} at step {early} -> {gap_end:+.1%} at {end}"
+        return Measure(expected, measured, gap_end - gap_early, gap_early > 0 and gap_end < gap_early, "pp")
     pa, pb = a.eval_perplexity(), b.eval_perplexity()
+    bars = {"ratio_within": f"abs(a/b-1) <= {tol:.0%}", "less_than": f"a/b-1 < {tol:+.0%}", "abs_within": f"abs(a-b) <= {tol}"}  # fmt: skip
+    if kind not in bars:
+        raise ValueError(f"unknown claim kind {kind!r} in {claim['id']}")
     if pa is None or pb is None:
-        return Verdict(claim["id"], claim["claim"], kind, "no eval records", "-", "FAIL")
-    if kind == "ratio_within":
-        rel = pa / pb - 1
-        return Verdict(
-            claim["id"],
-            claim["claim"],
-            f"abs(a/b-1) <= {tol:.0%}",
-            f"{pa:.2f} vs {pb:.2f}",
-            f"{rel:+.2%}",
-            "PASS" if abs(rel) <= tol else "FAIL",
-        )
-    if kind == "less_than":
-        rel = pa / pb - 1
-        return Verdict(
-            claim["id"],
-            claim["claim"],
-            f"a/b-1 < {tol:+.0%}",
-            f"{pa:.2f} vs {pb:.2f}",
-            f"{rel:+.2%}",
-            "PASS" if rel < tol else "FAIL",
-        )
+        return Measure(kind, "no eval records", None, False)
+    measured = f"{pa:.2f} vs {pb:.2f}"
     if kind == "abs_within":
-        d = pa - pb
-        return Verdict(
-            claim["id"],
-            claim["claim"],
-            f"abs(a-b) <= {tol}",
-            f"{pa:.2f} vs {pb:.2f}",
-            f"{d:+.2f}",
-            "PASS" if abs(d) <= tol else "FAIL",
-        )
-    raise ValueError(f"unknown claim kind {kind!r} in {claim['id']}")
+        return Measure(bars[kind], measured, pa - pb, abs(pa - pb) <= tol, "ppl")
+    rel = pa / pb - 1
+    return Measure(bars[kind], measured, rel, abs(rel) <= tol if kind == "ratio_within" else rel < tol, "%")
 
 
-def _eval_at_or_after(run: Run, step: int) -> float | None:
-    after = [p for s, p in run.evals() if s >= step]
+def check_claim(claim: dict, seeds: list[dict[str, Run]]) -> Verdict:
+    """A claim judged on every seed's runs (one dict of runs by reference key per seed)."""
+    if isinstance(seeds, dict):
+        seeds = [seeds]
+    missing = sorted({k for runs in seeds for k in (claim["a"], claim["b"]) if runs.get(k) is None or not runs[k].finished})  # fmt: skip
+    if missing:
+        return Verdict(claim["id"], claim["claim"], claim["kind"], f"waiting for {', '.join(missing)}", "-", "PENDING")  # fmt: skip
+    return judge(
+        claim["id"], claim["claim"], [measure(claim, runs[claim["a"]], runs[claim["b"]]) for runs in seeds]
+    )
+
+
+def _first_eval_step(a: Run, b: Run, step: int) -> int | None:
+    """The first step at or after `step` at which both runs were evaluated."""
+    both = sorted({s for s, _ in a.evals()} & {s for s, _ in b.evals()})
+    after = [s for s in both if s >= step]
     return after[0] if after else None
 
 
-def check(root: Path, families: list[str] | None = None, reference_path: Path = REFERENCE) -> list[Verdict]:
+def check(
+    roots: Path | list[Path], families: list[str] | None = None, reference_path: Path = REFERENCE
+) -> list[Verdict]:
+    """Every check of `families` on the runs under each root (one root per seed: the same family run
+    with another seed), judged per seed and together (`judge`)."""
     reference = yaml.safe_load(Path(reference_path).read_text())
-    runs = by_reference(load_runs(root))
-    wanted = families or sorted({k.split("/")[0] for k in runs} | set())
-    verdicts = [v for v in check_absolute(runs, reference) if v.id.split("/")[0] in wanted]
+    seeds = [by_reference(load_runs(r)) for r in ([roots] if isinstance(roots, str | Path) else roots)]
+    wanted = families or sorted({k.split("/")[0] for runs in seeds for k in runs})
+    verdicts = [v for v in check_absolute(seeds, reference) if v.id.split("/")[0] in wanted]
     for family in wanted:
-        verdicts += [check_claim(c, runs) for c in (reference.get("claims") or {}).get(family, [])]
+        verdicts += [check_claim(c, seeds) for c in (reference.get("claims") or {}).get(family, [])]
     return verdicts
 
 
