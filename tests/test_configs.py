@@ -95,6 +95,7 @@ def test_heads_must_divide_hidden_size():
         ("train.micro_batch_size=3", "not a multiple"),
         ("optim.lr=-1", "optim.lr must be a positive"),
         ("data.sharding=random", "data.sharding must be"),
+        ("data.eval_subset=validation", "data.eval_subset must be all or report or tune"),
         ("data.shard=3", "must be set together"),
         ("device=tpu", "device must be"),
         ("launch.ranks_per_gpu=0", "launch.ranks_per_gpu must be a positive"),

@@ -75,6 +75,24 @@ def test_train_and_eval_are_disjoint(data_cfg, all_train):
     assert not set(all_train) & set(_texts(data_cfg, "validation"))
 
 
+def test_the_tuning_and_report_subsets_split_the_eval_documents_in_two(data_cfg, tok):
+    """eval_subset=tune (odd-numbered documents of the eval split) and report (even-numbered) are disjoint
+    and make up the split; the train split is untouched; `all` is the whole split as before."""
+    every = _texts(data_cfg, "validation")
+    subsets = {}
+    for subset in ("report", "tune"):
+        cfg = data_cfg.copy()
+        cfg.eval_subset = subset
+        subsets[subset] = _texts(cfg, "validation")
+        assert _texts(cfg, "train")[:50] == _texts(data_cfg, "train")[:50]
+    assert subsets["report"] == every[0::2] and subsets["tune"] == every[1::2]
+    cfg = data_cfg.copy()
+    cfg.eval_subset = "tune"
+    tuned = eval_batches(cfg, tok, num_tokens=64 * 4, micro_batch_size=4)[0].input_ids
+    reported = eval_batches(data_cfg, tok, num_tokens=64 * 4, micro_batch_size=4)[0].input_ids
+    assert not torch.equal(tuned, reported)  # the eval reads the tuning documents, not the first ones
+
+
 def test_padding_masks_pads_out_of_the_loss(data_cfg, tok):
     stream = SequenceStream(data_cfg, tok, "train", 0, 1)
     batch = stream.next_batch(8)

@@ -414,10 +414,9 @@ def _check_commit_budget(cfg: DictConfig) -> None:
 
 
 def _check_data(data: schema.DataConfig) -> None:
-    if data.sharding not in ("iid", "noniid"):
-        raise ConfigError(f"data.sharding must be iid or noniid, got {data.sharding!r}")
-    if data.noniid_key not in ("domain", "page"):
-        raise ConfigError(f"data.noniid_key must be domain or page, got {data.noniid_key!r}")
+    for key, choices in (("sharding", "iid|noniid"), ("noniid_key", "domain|page"), ("eval_subset", "all|report|tune")):  # fmt: skip
+        if (value := getattr(data, key)) not in choices.split("|"):
+            raise ConfigError(f"data.{key} must be {choices.replace('|', ' or ')}, got {value!r}")
     shard, num = data.shard, data.num_shards
     if (shard is None) != (num is None):
         raise ConfigError("data.shard and data.num_shards must be set together (or both null)")

@@ -227,6 +227,8 @@ def _shard_documents(data_cfg: DictConfig, split: str, shard: int, num_shards: i
     ds = load_dataset(
         data_cfg.path, data_cfg.get("config_name"), data_files=data_files, split=split, streaming=True
     )
+    if split == data_cfg.eval_split and (subset := data_cfg.get("eval_subset", "all")) != "all":
+        ds = ds.filter(lambda _, i: i % 2 == (subset == "tune"), with_indices=True)  # disjoint halves
     if num_shards == 1:
         return ds
     if data_cfg.sharding == "iid":

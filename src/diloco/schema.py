@@ -113,6 +113,9 @@ class DataConfig:
     data_files: Optional[Any] = None  # None: the hub dataset's own files; else {split: glob}
     train_split: str = "train"
     eval_split: str = "validation"
+    eval_subset: str = (
+        "all"  # all | report (its even-numbered documents) | tune (odd): tune on one, report the other
+    )
     tokenizer: str = MISSING
     seq_len: int = 1024
     packing: bool = False  # false: pad each document to seq_len, pads masked out of the loss (OpenDiLoCo)
