@@ -1,0 +1,136 @@
+"""Fair tuning for the CPU-scale family (issue 15): DiLoCo's outer optimizer and H, and the DDP baselines'
+learning rate, each setting at 2 seeds, judged on the tuning half of the held-out documents.
+
+    python scripts/tune_tiny.py --runs runs/tune                # every setting and seed (skips complete runs)
+    python scripts/tune_tiny.py --runs runs/tune --report-only  # results/tiny-tuning from the summaries
+
+Every run is the family's own experiment (`tiny/ddp_1x`, `tiny/ddp_mx`, `tiny/diloco_fp32`, 400 steps,
+micro model, 4 workers) on fresh data (`data.packing=true`: about a fifth of the sample's training tokens,
+read once) and evaluated on `data.eval_subset=tune` (the odd-numbered validation documents); the
+family's reports use the other half (`report`), so nothing is selected on the numbers it reports. The
+grid puts plain averaging (outer lr 1, momentum 0) beside the paper's outer optimizer (0.7 / 0.9) and the
+earlier sweep's choice (0.5 / 0.8), at H = 10, 25 and 50, and gives the baselines three learning rates
+around the family's 2e-3 (DiLoCo's inner learning rate stays 2e-3). The record ranks the settings of each
+method by their mean over seeds and shows each seed's perplexity and the spread (max - min).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ladder import unique_train_tokens
+from replicate import run_local
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["data.packing=true", "data.eval_subset=tune", "launch.reference=null", "launch.family=tiny-tune"]
+LRS = (1e-3, 2e-3, 4e-3)
+GRID = {  # experiment -> settings (name, overrides)
+    "tiny/diloco_fp32": [
+        (
+            f"h{h}-lr{lr}-m{m}",
+            [f"distributed.inner_steps={h}", f"distributed.outer_lr={lr}", f"distributed.outer_momentum={m}"],
+        )
+        for h in (10, 25, 50)
+        for lr, m in ((1.0, 0.0), (0.5, 0.8), (0.7, 0.9))
+    ],  # fmt: skip
+    "tiny/ddp_mx": [(f"lr{lr:g}", [f"optim.lr={lr}"]) for lr in LRS],
+    "tiny/ddp_1x": [(f"lr{lr:g}", [f"optim.lr={lr}"]) for lr in LRS],
+}
+
+
+def run_name(experiment: str, setting: str, seed: int) -> str:
+    return f"tune-{experiment.split('/')[1]}-{setting}-s{seed}"
+
+
+def overrides(experiment: str, setting: list[str], name: str, seed: int) -> list[str]:
+    return [*COMMON, *setting, f"run_name={name}", f"seed={seed}"]
+
+
+def read(runs: Path, name: str) -> dict | None:
+    path = runs / name / "summary.json"
+    if not path.exists():
+        return None
+    s = json.loads(path.read_text())
+    if s.get("status") != "completed" or str(s.get("git_commit", "")).endswith("-dirty"):
+        raise SystemExit(f"{path}: not a completed run from a clean commit")
+    return {k: s[k] for k in ("final_eval_perplexity", "tokens_seen", "wall_seconds", "git_commit")}
+
+
+def table(rows: list[dict], seeds: list[int]) -> str:
+    lines = []
+    for experiment in GRID:
+        mine = sorted((r for r in rows if r["experiment"] == experiment), key=lambda r: r["mean"] or 1e9)
+        lines += [
+            f"\n### {experiment}\n",
+            "| rank | setting | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | spread |",
+        ]
+        lines.append("|---" * (len(seeds) + 4) + "|")
+        for i, r in enumerate(mine, 1):
+            per = " | ".join("-" if p is None else f"{p:.2f}" for p in r["per_seed"])
+            mean = "-" if r["mean"] is None else f"{r['mean']:.2f}"
+            spread = "-" if r["spread"] is None else f"{r['spread']:.2f}"
+            lines.append(f"| {i} | {r['setting']} | {per} | {mean} | {spread} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=Path, default=Path("runs/tune"))
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "tiny-tuning")
+    p.add_argument("--seeds", nargs="*", type=int, default=[1337, 1])
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args(argv)
+    if not args.report_only:
+        for seed in args.seeds:  # every setting at the first seed, then the next seed
+            for experiment, settings in GRID.items():
+                for setting, extra in settings:
+                    name = run_name(experiment, setting, seed)
+                    run_local(experiment, args.runs, overrides(experiment, extra, name, seed))
+    rows = []
+    for experiment, settings in GRID.items():
+        for setting, _ in settings:
+            got = [read(args.runs, run_name(experiment, setting, s)) for s in args.seeds]
+            ppl = [None if g is None else g["final_eval_perplexity"] for g in got]
+            done = [x for x in ppl if x is not None]
+            rows.append(
+                {
+                    "experiment": experiment,
+                    "setting": setting,
+                    "per_seed": ppl,
+                    "mean": sum(done) / len(done) if len(done) == len(ppl) else None,
+                    "spread": max(done) - min(done) if len(done) == len(ppl) else None,
+                    "runs": got,
+                }
+            )
+    unique = unique_train_tokens("micro")
+    tokens = next(g["tokens_seen"] for r in rows for g in r["runs"] if g)
+    regime = (
+        f"Data regime: packing, {unique:,} unique training tokens; {tokens:,} tokens trained per run of "
+        f"4 workers or 4x batch ({tokens / unique:.2f} epochs); evaluated on data.eval_subset=tune.\n"
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "command": f"python scripts/tune_tiny.py --runs {args.runs}",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, no GPU",
+        "report_commit": subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
+        "common_overrides": COMMON,
+        "seeds": args.seeds,
+        "unique_train_tokens": unique,
+        "rows": rows,
+    }
+    (args.out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+    (args.out / "table.md").write_text(regime + table(rows, args.seeds))
+    print(regime + table(rows, args.seeds))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
