@@ -16,7 +16,7 @@ FORCE ?= 0
 NODES_FILE ?= configs/local/nodes.txt
 export NODES_FILE
 
-.PHONY: help setup lock check-lock demo test test-gpu lint clean replicate-tiny replicate-gpu replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
+.PHONY: help setup lock check-lock demo test test-gpu lint clean replicate-tiny replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
 
 help:  ## list what can be run
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-18s %s\n", $$1, $$2}'
@@ -84,6 +84,12 @@ replicate-gpu: setup  ## the paper's comparison at 14M on this machine's one GPU
 	$(PY) scripts/replicate.py --family gpu --runs $(RUNS) $(if $(filter 1,$(SMOKE)),--cpu-smoke,)
 	$(PY) scripts/report.py --family gpu --runs $(RUNS) --out $(GPU_OUT) $(if $(filter 1,$(FORCE)),--force,)
 	$(PY) scripts/check.py --family gpu --runs $(RUNS)$(if $(filter 1,$(SMOKE)), || echo "smoke run: verdicts at tiny size",)
+
+ladder: setup  ## model-size ladder: 4x DDP vs DiLoCo at 0.7M, 2.2M, 3.7M params, 2 seeds, fresh data (~65 min on 2 cores) -> results/ladder
+	$(PY) scripts/ladder.py --runs $(RUNS)/ladder
+
+tune-tiny: setup  ## fair tuning of the tiny family on the eval split's tuning half, 2 seeds (~40 min on 2 cores) -> results/tiny-tuning
+	$(PY) scripts/tune_tiny.py --runs $(RUNS)/tune
 
 replicate-150m: setup  ## all 150M runs of the paper, in order, on the GPU nodes in NODES_FILE (DRY_RUN=1: plan + 2 CPU steps each)
 	$(PY) scripts/replicate.py --family 150m $(DRY)
