@@ -114,6 +114,16 @@ def commit() -> str:
         return "unknown"
 
 
+def provenance(command: str) -> dict:
+    """What a results record starts with: the command, when, the machine, and the commit it was written at."""
+    return {
+        "command": command,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "report_commit": commit(),
+    }
+
+
 # ---------------------------------------------------------------------------------------------------
 # timing
 

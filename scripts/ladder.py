@@ -21,11 +21,9 @@ import argparse
 import glob
 import gzip
 import json
-import platform
-import subprocess
-from datetime import datetime, timezone
 from pathlib import Path
 
+import bench_common as bc
 from plan import compose_experiment, num_parameters
 from replicate import run_local
 
@@ -152,12 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     unique = unique_train_tokens(args.sizes[0])
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
-        "command": "python scripts/ladder.py --runs " + str(args.runs),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, no GPU",
-        "report_commit": subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip(),
+        **bc.provenance("python scripts/ladder.py --runs " + str(args.runs)),
         "overrides": OVERRIDES,
         "unique_train_tokens": unique,
         "epochs": rungs[0]["tokens_seen"] / unique,

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
-from datetime import datetime, timezone
 from pathlib import Path
 
+import bench_common as bc
 from ladder import unique_train_tokens
 from replicate import run_local
 
@@ -115,12 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
-        "command": f"python scripts/tune_tiny.py --runs {args.runs}",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, no GPU",
-        "report_commit": subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip(),
+        **bc.provenance(f"python scripts/tune_tiny.py --runs {args.runs}"),
         "common_overrides": COMMON,
         "seeds": args.seeds,
         "unique_train_tokens": unique,
