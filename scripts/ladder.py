@@ -18,13 +18,12 @@ methods' final held-out perplexity per seed, and the relative gap DiLoCo / DDP -
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
 import json
 from pathlib import Path
 
 import bench_common as bc
 from plan import compose_experiment, num_parameters
+from plan import unique_train_tokens as plan_unique_tokens
 from replicate import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,17 +41,7 @@ def run_dir(runs: Path, size: str, seed: int) -> Path:
 
 
 def unique_train_tokens(size: str) -> int:
-    """Tokens in the training split as packing reads it (each document's tokens and its separator)."""
-    from diloco.data import load_tokenizer
-
-    cfg = compose_experiment(METHODS["ddp"], overrides(size, 0))
-    tok = load_tokenizer(cfg.data.tokenizer)
-    total = 0
-    for path in sorted(glob.glob(str(cfg.data.data_files.train))):
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            texts = [json.loads(line)["text"] for line in f]
-        total += sum(len(ids) + 1 for ids in tok(texts, add_special_tokens=False).input_ids)
-    return total
+    return plan_unique_tokens(compose_experiment(METHODS["ddp"], overrides(size, 0)).data)
 
 
 def read_run(runs: Path, size: str, seed: int, method: str) -> dict:

@@ -94,6 +94,25 @@ def num_parameters(model_cfg) -> int:
         return sum(p.numel() for p in build_model(model_cfg, seed=0).parameters())
 
 
+def unique_train_tokens(data_cfg) -> int:
+    """Training tokens the data can give once (local data files only): every token of every document with
+    its separator when packing, else each document's first seq_len (the rest is never read)."""
+    import glob
+    import gzip
+    import json
+
+    from diloco.data import load_tokenizer
+
+    tok, cap = load_tokenizer(data_cfg.tokenizer), None if data_cfg.packing else int(data_cfg.seq_len)
+    total = 0
+    for path in sorted(glob.glob(str(data_cfg.data_files[data_cfg.train_split]))):
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            texts = [json.loads(line)["text"] for line in f]
+        lengths = [len(ids) for ids in tok(texts).input_ids]  # as the stream encodes them (data.py)
+        total += sum(n + 1 for n in lengths) if cap is None else sum(min(n, cap) for n in lengths)  # +1: </s>
+    return total
+
+
 def topology(cfg: DictConfig) -> dict:
     nodes, gpus = int(cfg.launch.nodes), int(cfg.launch.gpus_per_node)
     world = nodes * gpus

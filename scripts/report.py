@@ -1,6 +1,7 @@
 """`make report`: a family's runs as a Markdown report with PNG plots, plus a W&B report when online.
 
     python scripts/report.py --family tiny [--runs runs] [--out results/tiny-<date>] [--force]
+    python scripts/report.py --family tiny --runs runs/tiny   # runs/tiny/s1337, runs/tiny/s1: one folder per seed
 
 Writes <out>/report.md (the claim table of `make check`, a table of runs, the plots), <out>/*.png:
 eval perplexity vs step, vs tokens and vs bytes communicated, the FP16 cast error per outer round,
@@ -10,6 +11,10 @@ so `make check RUNS=<out>` judges it again with the same verdicts. The default <
 folder, results/<family>-<UTC date>; a folder that already holds a report is never replaced unless
 --force is given (committed records, e.g. results/tiny, stay as they were made). With W&B online (and
 `wandb-workspaces` installed) it also builds a W&B report of the family's group and prints its URL.
+With a folder per seed, the claim table judges every seed (mean and spread, `make check`), the runs
+table lists each seed's runs, the plots show the first seed's, and the record keeps one summaries.json
+per seed (<out>/<seed folder>/). The report states the data regime: unique training tokens, tokens
+trained, epochs.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from pathlib import Path
 
 import matplotlib
 import yaml
+from omegaconf import OmegaConf
+from plan import unique_train_tokens
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -39,6 +46,7 @@ from diloco.replication import (  # noqa: E402
     judged_records,
     load_runs,
     markdown_table,
+    seed_roots,
 )
 
 
@@ -206,6 +214,38 @@ def _commit() -> str:
         return "unknown"
 
 
+def data_regime(runs: list[Run]) -> str:
+    """How much of the data the runs read, and how often: unique training tokens, tokens trained, epochs."""
+    data = OmegaConf.create(runs[0].config.get("data", {}))
+    trained = max(r.summary.get("tokens_seen", 0) for r in runs)
+    how = "documents packed into sequences" if data.get("packing") else (
+        f"one sequence per document, cut at {data.get('seq_len')} tokens"
+    )  # fmt: skip
+    try:
+        unique = unique_train_tokens(data)
+    except Exception as e:  # streamed C4, or files not on this machine
+        return f"Data regime: {how}; {trained:,} tokens trained per run; unique tokens not counted here ({type(e).__name__})."
+    return (
+        f"Data regime: {how}; {unique:,} unique training tokens, {trained:,} tokens trained per run: "
+        f"{trained / unique:.2f} epochs; evaluated on the eval split's `{data.get('eval_subset', 'all')}` documents."
+    )
+
+
+def _record(runs: list[Run], window: float) -> str:
+    return (
+        json.dumps(
+            {
+                _label(r): {k: v for k, v in r.summary.items() if k != "config"}
+                | {"config": r.config, "records": judged_records(r, window)}
+                for r in runs
+            },
+            indent=1,
+            default=str,
+        )
+        + "\n"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", required=True)
@@ -227,12 +267,22 @@ def main(argv: list[str] | None = None) -> int:
         if out.resolve() == Path(args.runs).resolve():
             print(f"error: {out}/ is the record being reported: choose another --out", file=sys.stderr)
             return 1
-        for old in [out / "report.md", out / RECORD, *(out / name for name in PLOTS)]:
+        for old in [
+            out / "report.md",
+            out / RECORD,
+            *out.glob(f"*/{RECORD}"),
+            *(out / name for name in PLOTS),
+        ]:
             old.unlink(missing_ok=True)  # no plot of the old report left beside the new ones
-    runs = sorted(
-        (r for r in by_reference(load_runs(args.runs)).values() if r.family == args.family),
-        key=lambda r: r.reference or "",
-    )
+    seeds = seed_roots(args.runs)  # runs/ itself, or one folder per seed (runs/s1337, runs/s1)
+    by_seed = [
+        sorted(
+            (r for r in by_reference(load_runs(root)).values() if r.family == args.family),
+            key=lambda r: r.reference or "",
+        )
+        for root in seeds
+    ]
+    runs = by_seed[0]
     if not runs:
         print(f"error: no runs of family {args.family!r} under {args.runs}/", file=sys.stderr)
         return 1
@@ -248,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         if f:
             plots.append(f)
     wb = wandb_report(args.family, runs)
-    commits = sorted({r.summary.get("git_commit", "?") for r in runs})
+    commits = sorted({r.summary.get("git_commit", "?") for seed_runs in by_seed for r in seed_runs})
     md = [
         f"# Replication report: `{args.family}`",
         "",
@@ -260,30 +310,29 @@ def main(argv: list[str] | None = None) -> int:
         "",
         markdown_table(verdicts),
         "",
+        data_regime(runs),
+        "",
         "## Runs",
         "",
-        runs_table(runs),
-        "",
+        *[
+            line
+            for root, seed_runs in zip(seeds, by_seed)
+            for line in ([f"`{root.name}`:", ""] if len(seeds) > 1 else []) + [runs_table(seed_runs), ""]
+        ],
         "## Plots",
         "",
+        *([f"The runs in `{seeds[0].name}` (the first of {len(seeds)} seeds)."] if len(seeds) > 1 else []),
         *[f"![{f}]({f})" for f in plots],
         "",
         wb,
         "",
     ]
     (out / "report.md").write_text("\n".join(md))
-    (out / "summaries.json").write_text(
-        json.dumps(
-            {
-                _label(r): {k: v for k, v in r.summary.items() if k != "config"}
-                | {"config": r.config, "records": judged_records(r, window)}
-                for r in runs
-            },
-            indent=1,
-            default=str,
-        )
-        + "\n"
-    )
+    if len(seeds) == 1:
+        (out / RECORD).write_text(_record(runs, window))
+    for root, seed_runs in zip(seeds, by_seed) if len(seeds) > 1 else ():  # one record per seed
+        (out / root.name).mkdir(exist_ok=True)
+        (out / root.name / RECORD).write_text(_record(seed_runs, window))
     print(f"wrote {out / 'report.md'} ({len(plots)} plots)")
     print(wb)
     return 0

@@ -88,6 +88,31 @@ def test_a_record_is_judged_again_with_the_verdicts_it_was_made_with(tmp_path, m
     assert {v[0] for v in verdicts(runs)} >= {"C1", "C2", "C4", "COMM"}
 
 
+def test_a_report_of_several_seeds_keeps_a_record_per_seed_judged_again_the_same(tmp_path, monkeypatch):
+    for seed, fp16_end in (("s1", 30.6), ("s2", 31.5)):  # C2 passes on s1, fails on s2: UNCERTAIN
+        tiny_family(tmp_path / "runs" / seed, fp16_end=fp16_end)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    rec = tmp_path / "rec"
+    assert report_script.main(["--family", "tiny", "--runs", str(tmp_path / "runs"), "--out", str(rec)]) == 0
+    assert sorted(p.name for p in rec.glob("*/summaries.json")) and not (rec / "summaries.json").exists()
+    assert {p.parent.name for p in rec.glob("*/summaries.json")} == {"s1", "s2"}
+    judged = verdicts(rec)
+    assert (
+        judged
+        == verdicts(tmp_path / "runs")
+        == sorted(report_verdicts(rec / "report.md"), key=judged_order(judged))
+    )
+    c2 = next(v for v in judged if v[0] == "C2")
+    assert c2[1] == "30.60 vs 30.50; 31.50 vs 30.50" and c2[3] == "UNCERTAIN" and "(2 seeds)" in c2[2]
+    md = (rec / "report.md").read_text()
+    assert "Data regime:" in md and "`s1`:" in md and "`s2`:" in md
+
+
+def judged_order(judged: list[tuple]):
+    order = {v[0]: i for i, v in enumerate(judged)}
+    return lambda row: order[row[0]]
+
+
 def report_verdicts(report_md: Path) -> list[tuple]:
     rows = [line.split("|")[1:-1] for line in report_md.read_text().splitlines() if line.startswith("| C")]
     rows += [

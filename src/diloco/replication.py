@@ -132,6 +132,19 @@ def load_runs(root: Path) -> list[Run]:
     return runs
 
 
+def seed_roots(root: Path) -> list[Path]:
+    """The folders of one family's runs, one per seed: `root` itself when it holds run directories or a
+    record, else its subfolders that do (runs/tiny/s1337, runs/tiny/s1; a record's s1337/, s1/)."""
+    root = Path(root)
+
+    def holds_runs(d: Path) -> bool:
+        return (d / RECORD).exists() or any(d.glob("*/summary.json"))
+
+    if not root.is_dir() or holds_runs(root):
+        return [root]
+    return sorted(d for d in root.iterdir() if d.is_dir() and holds_runs(d)) or [root]
+
+
 def by_reference(runs: list[Run]) -> dict[str, Run]:
     """One run per reference key; of a DumbDiLoCo run's node directories, the master's (it owns the global model)."""
     out: dict[str, Run] = {}
@@ -289,9 +302,10 @@ def check(
     roots: Path | list[Path], families: list[str] | None = None, reference_path: Path = REFERENCE
 ) -> list[Verdict]:
     """Every check of `families` on the runs under each root (one root per seed: the same family run
-    with another seed), judged per seed and together (`judge`)."""
+    with another seed; a root of seed folders counts as its folders), judged per seed and together."""
     reference = yaml.safe_load(Path(reference_path).read_text())
-    seeds = [by_reference(load_runs(r)) for r in ([roots] if isinstance(roots, str | Path) else roots)]
+    roots = [roots] if isinstance(roots, str | Path) else roots
+    seeds = [by_reference(load_runs(seed)) for root in roots for seed in seed_roots(root)]
     wanted = families or sorted({k.split("/")[0] for runs in seeds for k in runs})
     verdicts = [v for v in check_absolute(seeds, reference) if v.id.split("/")[0] in wanted]
     for family in wanted:
