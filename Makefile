@@ -72,10 +72,12 @@ test: setup lint  ## lint + the whole test suite (about 15 minutes on 2 idle cor
 test-gpu: setup  ## the CUDA tests: bf16 eager and compiled steps, resume, DumbDiLoCo on the GPU
 	$(PY) -m pytest -q -m gpu
 
-replicate-tiny: setup  ## the whole CPU-scale family here (~20 min on 2 cores), then its report and check
-	$(PY) scripts/replicate.py --family tiny
-	$(PY) scripts/report.py --family tiny --runs runs
-	$(PY) scripts/check.py --family tiny --runs runs
+# one folder of runs per seed ($(RUNS)/tiny/s<seed>); the report and the check judge every seed together
+TINY_SEEDS ?= 1337 1
+replicate-tiny: setup  ## the whole CPU-scale family here at 2 seeds (~20 min per seed on 2 cores), then its report and check
+	@set -e; for s in $(TINY_SEEDS); do $(PY) scripts/replicate.py --family tiny --runs $(RUNS)/tiny/s$$s --override seed=$$s; done
+	$(PY) scripts/report.py --family tiny --runs $(RUNS)/tiny
+	$(PY) scripts/check.py --family tiny --runs $(RUNS)/tiny
 
 # SMOKE=1: the same runs, report and check, tiny, on CPU (what tests/test_replicate_gpu.py runs); the
 # report then goes beside the runs and the verdicts judge the pipeline, not the paper (a FAIL is expected).
