@@ -9,6 +9,8 @@ chosen at `micro`, are used at every rung: stated in the record).
 
     python scripts/ladder.py --runs runs/ladder                 # every rung and seed (skips complete runs)
     python scripts/ladder.py --runs runs/ladder --report-only   # results/ladder from the runs' summaries
+    python scripts/ladder.py --runs runs/ladder-tuned --out results/ladder-tuned \
+        --override data.eval_subset=report --diloco-override distributed.inner_steps=25   # other settings
 
 The record (results/ladder: summary.json, table.md, ladder.png) gives each rung's parameters, both
 methods' final held-out perplexity per seed, and the relative gap DiLoCo / DDP - 1 as mean and spread
@@ -32,8 +34,8 @@ METHODS = {"ddp": "tiny/ddp_mx", "diloco": "tiny/diloco_fp32"}
 OVERRIDES = ["data.packing=true"]
 
 
-def overrides(size: str, seed: int) -> list[str]:
-    return [f"model={size}", f"seed={seed}", *OVERRIDES]
+def overrides(size: str, seed: int, extra: list[str] = ()) -> list[str]:
+    return [f"model={size}", f"seed={seed}", *OVERRIDES, *extra]
 
 
 def run_dir(runs: Path, size: str, seed: int) -> Path:
@@ -44,8 +46,8 @@ def unique_train_tokens(size: str) -> int:
     return plan_unique_tokens(compose_experiment(METHODS["ddp"], overrides(size, 0)).data)
 
 
-def read_run(runs: Path, size: str, seed: int, method: str) -> dict:
-    cfg = compose_experiment(METHODS[method], overrides(size, seed))
+def read_run(runs: Path, size: str, seed: int, method: str, extra: dict | None = None) -> dict:
+    cfg = compose_experiment(METHODS[method], overrides(size, seed, (extra or {}).get(method, [])))
     path = run_dir(runs, size, seed) / cfg.run_name / "summary.json"
     s = json.loads(path.read_text())
     if s.get("step") != cfg.train.max_steps or s.get("status") != "completed":
@@ -56,9 +58,10 @@ def read_run(runs: Path, size: str, seed: int, method: str) -> dict:
     return {"path": str(path), **{k: s[k] for k in keys}}
 
 
-def rung(runs: Path, size: str, seeds: list[int]) -> dict:
-    cfg = compose_experiment(METHODS["ddp"], overrides(size, seeds[0]))
-    runs_ = {m: [read_run(runs, size, s, m) for s in seeds] for m in METHODS}
+def rung(runs: Path, size: str, seeds: list[int], extra: dict | None = None) -> dict:
+    """extra: method -> its overrides beyond the ladder's."""
+    cfg = compose_experiment(METHODS["ddp"], overrides(size, seeds[0], (extra or {}).get("ddp", [])))
+    runs_ = {m: [read_run(runs, size, s, m, extra) for s in seeds] for m in METHODS}
     gaps = [
         d["final_eval_perplexity"] / p["final_eval_perplexity"] - 1
         for d, p in zip(runs_["diloco"], runs_["ddp"])
@@ -129,18 +132,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", nargs="*", default=SIZES)
     p.add_argument("--seeds", nargs="*", type=int, default=[1337, 1])
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--override", action="append", default=[], help="a hydra override for every run")
+    p.add_argument("--diloco-override", action="append", default=[], help="one for the DiLoCo runs only")
     args = p.parse_args(argv)
+    extra = {"ddp": args.override, "diloco": [*args.override, *args.diloco_override]}
     if not args.report_only:
         for size in args.sizes:
             for seed in args.seeds:
-                for method in METHODS.values():
-                    run_local(method, run_dir(args.runs, size, seed), overrides(size, seed))
-    rungs = [rung(args.runs, size, args.seeds) for size in args.sizes]
+                for m, experiment in METHODS.items():
+                    run_local(experiment, run_dir(args.runs, size, seed), overrides(size, seed, extra[m]))
+    rungs = [rung(args.runs, size, args.seeds, extra) for size in args.sizes]
     unique = unique_train_tokens(args.sizes[0])
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
         **bc.provenance("python scripts/ladder.py --runs " + str(args.runs)),
-        "overrides": OVERRIDES,
+        "overrides": {m: [*OVERRIDES, *x] for m, x in extra.items()},
         "unique_train_tokens": unique,
         "epochs": rungs[0]["tokens_seen"] / unique,
         "rungs": rungs,
