@@ -106,10 +106,11 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
     unique = unique_train_tokens("micro")
-    tokens = next(g["tokens_seen"] for r in rows for g in r["runs"] if g)
+    tokens = {r["experiment"]: g["tokens_seen"] for r in rows for g in r["runs"] if g}
+    per_run = "; ".join(f"{e} {t:,} ({t / unique:.2f} epochs)" for e, t in tokens.items())
     regime = (
-        f"Data regime: packing, {unique:,} unique training tokens; {tokens:,} tokens trained per run of "
-        f"4 workers or 4x batch ({tokens / unique:.2f} epochs); evaluated on data.eval_subset=tune.\n"
+        f"Data regime: packing, {unique:,} unique training tokens; tokens trained per run: {per_run}; "
+        "evaluated on data.eval_subset=tune.\n"
     )
     args.out.mkdir(parents=True, exist_ok=True)
     record = {

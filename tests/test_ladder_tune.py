@@ -68,4 +68,4 @@ def test_the_tuning_record_ranks_each_methods_settings_by_their_mean_over_seeds(
     table = (tmp_path / "out" / "table.md").read_text()
     assert "| 1 | h10-lr1.0-m0.0 | 50.00 | 52.00 | 51.00 | 2.00 |" in table
     assert "| 3 | lr0.004 | 52.00 | 54.00 | 53.00 | 2.00 |" in table
-    assert "0.21 epochs" in table
+    assert "tiny/ddp_mx 1,638,400 (0.21 epochs)" in table
