@@ -28,6 +28,8 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
+import bench_common as bc
+
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"sync": "tiny-diloco-fp32", "dumb": "tiny-dumb-diloco-node-0"}
 BAR = 0.03
@@ -39,9 +41,7 @@ def _git(*args: str) -> str:
 
 def read(prefix: str, seed: int, kind: str) -> dict:
     path = Path(f"{prefix}-s{seed}") / RUNS[kind] / "summary.json"
-    s = json.loads(path.read_text())
-    if str(s.get("git_commit", "")).endswith("-dirty"):
-        raise SystemExit(f"{path}: made from a dirty tree; rerun it from a commit")
+    s = bc.clean_summary(path)
     keys = ("final_eval_perplexity", "wall_seconds", "git_commit", "tokens_seen", "step", "status")
     return {k: s.get(k) for k in keys} | {"path": str(path)}
 

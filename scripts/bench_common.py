@@ -124,6 +124,17 @@ def provenance(command: str) -> dict:
     }
 
 
+def clean_summary(path: Path, completed_steps: int | None = None) -> dict:
+    """A run's summary.json for a results record: refused (SystemExit, one line) when the run was made
+    from a dirty tree, and, with `completed_steps`, when it did not complete them."""
+    s = json.loads(Path(path).read_text())
+    if str(s.get("git_commit", "")).endswith("-dirty"):
+        raise SystemExit(f"{path}: made from a dirty tree; rerun it from a commit")
+    if completed_steps is not None and (s.get("step") != completed_steps or s.get("status") != "completed"):
+        raise SystemExit(f"{path}: not a completed run (step {s.get('step')}, status {s.get('status')})")
+    return s
+
+
 # ---------------------------------------------------------------------------------------------------
 # timing
 

@@ -25,6 +25,8 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
+import bench_common as bc
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE = "tiny-diloco-fp32"
 # run name: (what, perplexity bar against FP32, bytes per round at least this much fewer, peak bar)
@@ -42,9 +44,7 @@ def _git(*args: str) -> str:
 
 
 def read(run_dir: Path) -> dict:
-    s = json.loads((run_dir / "summary.json").read_text())
-    if str(s.get("git_commit", "")).endswith("-dirty"):
-        raise SystemExit(f"{run_dir}: made from a dirty tree; rerun it from a commit")
+    s = bc.clean_summary(run_dir / "summary.json")
     errors = []
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():

@@ -49,11 +49,7 @@ def unique_train_tokens(size: str) -> int:
 def read_run(runs: Path, size: str, seed: int, method: str, extra: dict | None = None) -> dict:
     cfg = compose_experiment(METHODS[method], overrides(size, seed, (extra or {}).get(method, [])))
     path = run_dir(runs, size, seed) / cfg.run_name / "summary.json"
-    s = json.loads(path.read_text())
-    if s.get("step") != cfg.train.max_steps or s.get("status") != "completed":
-        raise SystemExit(f"{path}: not a completed run (step {s.get('step')}, status {s.get('status')})")
-    if str(s.get("git_commit", "")).endswith("-dirty") or not s.get("git_commit"):
-        raise SystemExit(f"{path}: made from a dirty tree; rerun it from a commit")
+    s = bc.clean_summary(path, cfg.train.max_steps)
     keys = ("final_eval_perplexity", "tokens_seen", "wall_seconds", "git_commit", "step")
     return {"path": str(path), **{k: s[k] for k in keys}}
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import bench_common as bc
 from ladder import unique_train_tokens
+from plan import compose_experiment
 from replicate import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,13 +50,11 @@ def overrides(experiment: str, setting: list[str], name: str, seed: int) -> list
     return [*COMMON, *setting, f"run_name={name}", f"seed={seed}"]
 
 
-def read(runs: Path, name: str) -> dict | None:
+def read(runs: Path, experiment: str, name: str) -> dict | None:
     path = runs / name / "summary.json"
     if not path.exists():
         return None
-    s = json.loads(path.read_text())
-    if s.get("status") != "completed" or str(s.get("git_commit", "")).endswith("-dirty"):
-        raise SystemExit(f"{path}: not a completed run from a clean commit")
+    s = bc.clean_summary(path, compose_experiment(experiment, []).train.max_steps)
     return {k: s[k] for k in ("final_eval_perplexity", "tokens_seen", "wall_seconds", "git_commit")}
 
 
@@ -92,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for experiment, settings in GRID.items():
         for setting, _ in settings:
-            got = [read(args.runs, run_name(experiment, setting, s)) for s in args.seeds]
+            got = [read(args.runs, experiment, run_name(experiment, setting, s)) for s in args.seeds]
             ppl = [None if g is None else g["final_eval_perplexity"] for g in got]
             done = [x for x in ppl if x is not None]
             rows.append(

@@ -34,9 +34,13 @@ from diloco.comm import CastStats, Collective
 QUANT_BITS = {"int8": 8, "int4": 4}
 
 
+def code_bytes(n: int, bits: int, block: int) -> int:
+    """Bytes of the codes of n values (whole blocks); the bfloat16 scales follow them in a payload."""
+    return -(-n // block) * block * bits // 8
+
+
 def payload_bytes(n: int, bits: int, block: int) -> int:
-    blocks = -(-n // block)
-    return blocks * block * bits // 8 + 2 * blocks
+    return code_bytes(n, bits, block) + 2 * -(-n // block)
 
 
 def quantize(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
@@ -68,9 +72,8 @@ def dequantize(
 ) -> torch.Tensor:
     """uint8 [payload_bytes(n)] -> FP32 [n]; with `out` (FP32, at most n elements), its first
     out.numel() elements written into out, or added to it with `accumulate` (code * scale, then +)."""
-    blocks = -(-n // block)
-    code_bytes = blocks * block * bits // 8
-    codes, scale_bytes = payload[:code_bytes], payload[code_bytes:]
+    blocks, cb = -(-n // block), code_bytes(n, bits, block)
+    codes, scale_bytes = payload[:cb], payload[cb:]
     fast = out is not None and out.dtype == torch.float32 and payload.dtype == torch.uint8
     if fast and quant_kernel.usable(payload, out):
         quant_kernel.decode(codes, scale_bytes, out, bits, block, accumulate)
@@ -106,12 +109,8 @@ def encode(
         out = torch.empty(payload_bytes(n, bits, block), dtype=torch.uint8, device=x.device)
     f32 = all(t is None or t.dtype == torch.float32 for t in (x, carry, residual))
     if f32 and out.dtype == torch.uint8 and quant_kernel.usable(x, carry, residual, out):
-        payload = out
-        code_bytes = -(-n // block) * block * bits // 8
-        stats = quant_kernel.encode(
-            x, carry, residual, bits, block, payload[:code_bytes], payload[code_bytes:]
-        )
-        return payload, stats
+        cb = code_bytes(n, bits, block)
+        return out, quant_kernel.encode(x, carry, residual, bits, block, out[:cb], out[cb:])
     y = x + carry if carry is not None else x
     payload = out.copy_(quantize(y, bits, block))
     sent = dequantize(payload, n, bits, block)

@@ -281,8 +281,6 @@ def measure(claim: dict, a: Run, b: Run) -> Measure:
 
 def check_claim(claim: dict, seeds: list[dict[str, Run]]) -> Verdict:
     """A claim judged on every seed's runs (one dict of runs by reference key per seed)."""
-    if isinstance(seeds, dict):
-        seeds = [seeds]
     missing = sorted({k for runs in seeds for k in (claim["a"], claim["b"]) if runs.get(k) is None or not runs[k].finished})  # fmt: skip
     if missing:
         return Verdict(claim["id"], claim["claim"], claim["kind"], f"waiting for {', '.join(missing)}", "-", "PENDING")  # fmt: skip
