@@ -309,7 +309,9 @@ class StopAgreement:
         try:
             work.wait()
         except RuntimeError as err:  # a peer rank died: one readable line, not a gloo traceback
-            raise DistributedError(f"a peer rank is gone ({str(err).splitlines()[0][:200]})") from None
+            raise DistributedError(
+                f"a peer rank died, hung or lost its connection ({str(err).splitlines()[0][:200]})"
+            ) from None
         return bool(flag.item())
 
 
