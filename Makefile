@@ -74,7 +74,7 @@ test-gpu: setup  ## the CUDA tests: bf16 eager and compiled steps, resume, DumbD
 
 # one folder of runs per seed ($(RUNS)/tiny/s<seed>); the report and the check judge every seed together
 TINY_SEEDS ?= 1337 1
-replicate-tiny: setup  ## the whole CPU-scale family here at 2 seeds (~20 min per seed on 2 cores), then its report and check
+replicate-tiny: setup  ## the whole CPU-scale family here at 2 seeds (~8 min per seed on 2 cores), then its report and check
 	@set -e; for s in $(TINY_SEEDS); do $(PY) scripts/replicate.py --family tiny --runs $(RUNS)/tiny/s$$s --override seed=$$s; done
 	$(PY) scripts/report.py --family tiny --runs $(RUNS)/tiny
 	$(PY) scripts/check.py --family tiny --runs $(RUNS)/tiny
@@ -102,7 +102,7 @@ replicate-1b: setup  ## the 1.1B runs (4 nodes of 8 GPUs) on the nodes in NODES_
 ablation-fp16: setup  ## the FP16 vs FP32 pseudo-gradient runs (4 and 8 workers, 150M) (DRY_RUN=1 as above)
 	$(PY) scripts/replicate.py --family fp16 $(DRY)
 
-sweep-tiny: setup  ## the outer lr / momentum / H sweep behind the tiny family's DiLoCo settings
+sweep-tiny: setup  ## the first outer lr / momentum / H sweep (one seed, repeated data; superseded by tune-tiny) -> results/tiny/sweep.md
 	$(PY) scripts/sweep_tiny.py
 
 report: setup  ## a new dated record results/$(FAMILY)-<date>/ of RUNS (report.md, plots, summaries.json; OUT=dir, FORCE=1 to replace)

@@ -1,4 +1,5 @@
-"""The documented sweep behind the CPU-scale family's DiLoCo settings (results/tiny/sweep.md).
+"""The first sweep behind the CPU-scale family's DiLoCo settings (results/tiny/sweep.md; one seed, repeated data,
+evaluated on the reported split: superseded by scripts/tune_tiny.py, results/tiny-tuning).
 
     python scripts/sweep_tiny.py [--runs runs/sweep] [--quick]
 
