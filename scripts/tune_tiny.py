@@ -3,6 +3,8 @@ learning rate, each setting at 2 seeds, judged on the tuning half of the held-ou
 
     python scripts/tune_tiny.py --runs runs/tune                # every setting and seed (skips complete runs)
     python scripts/tune_tiny.py --runs runs/tune --report-only  # results/tiny-tuning from the summaries
+    python scripts/tune_tiny.py --runs runs/tune-async --experiments tiny/dumb_diloco \
+        --out results/tiny-tuning-async                         # DumbDiLoCo's own H and outer optimizer
 
 Every run is the family's own experiment (`tiny/ddp_1x`, `tiny/ddp_mx`, `tiny/diloco_fp32`, 400 steps,
 micro model, 4 workers) on fresh data (`data.packing=true`: about a fifth of the sample's training tokens,
@@ -37,6 +39,15 @@ GRID = {  # experiment -> settings (name, overrides)
         for h in (10, 25, 50)
         for lr, m in ((1.0, 0.0), (0.5, 0.8), (0.7, 0.9))
     ],  # fmt: skip
+    # DumbDiLoCo (master + 3 workers): the synchronous best, plain averaging at H=10 (its second) and a
+    # longer H, tuned on its own rather than assumed to share synchronous DiLoCo's best
+    "tiny/dumb_diloco": [
+        (
+            f"h{h}-lr{lr}-m{m}",
+            [f"distributed.inner_steps={h}", f"distributed.outer_lr={lr}", f"distributed.outer_momentum={m}"],
+        )
+        for h, lr, m in ((25, 0.5, 0.8), (10, 1.0, 0.0), (50, 0.5, 0.8))
+    ],  # fmt: skip
     "tiny/ddp_mx": [(f"lr{lr:g}", [f"optim.lr={lr}"]) for lr in LRS],
     "tiny/ddp_1x": [(f"lr{lr:g}", [f"optim.lr={lr}"]) for lr in LRS],
 }
@@ -51,16 +62,18 @@ def overrides(experiment: str, setting: list[str], name: str, seed: int) -> list
 
 
 def read(runs: Path, experiment: str, name: str) -> dict | None:
-    path = runs / name / "summary.json"
+    cfg = compose_experiment(experiment, [])
+    master = "-node-0" if cfg.distributed.mode == "dumb_diloco" else ""  # the final global's evaluation
+    path = runs / f"{name}{master}" / "summary.json"
     if not path.exists():
         return None
-    s = bc.clean_summary(path, compose_experiment(experiment, []).train.max_steps)
+    s = bc.clean_summary(path, cfg.train.max_steps)
     return {k: s[k] for k in ("final_eval_perplexity", "tokens_seen", "wall_seconds", "git_commit")}
 
 
 def table(rows: list[dict], seeds: list[int]) -> str:
     lines = []
-    for experiment in GRID:
+    for experiment in dict.fromkeys(r["experiment"] for r in rows):
         mine = sorted((r for r in rows if r["experiment"] == experiment), key=lambda r: r["mean"] or 1e9)
         lines += [
             f"\n### {experiment}\n",
@@ -81,15 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "results" / "tiny-tuning")
     p.add_argument("--seeds", nargs="*", type=int, default=[1337, 1])
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--experiments", nargs="*", default=list(GRID), choices=list(GRID))
     args = p.parse_args(argv)
+    grid = {e: GRID[e] for e in args.experiments}
     if not args.report_only:
         for seed in args.seeds:  # every setting at the first seed, then the next seed
-            for experiment, settings in GRID.items():
+            for experiment, settings in grid.items():
                 for setting, extra in settings:
                     name = run_name(experiment, setting, seed)
                     run_local(experiment, args.runs, overrides(experiment, extra, name, seed))
     rows = []
-    for experiment, settings in GRID.items():
+    for experiment, settings in grid.items():
         for setting, _ in settings:
             got = [read(args.runs, experiment, run_name(experiment, setting, s)) for s in args.seeds]
             ppl = [None if g is None else g["final_eval_perplexity"] for g in got]
@@ -113,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
-        **bc.provenance(f"python scripts/tune_tiny.py --runs {args.runs}"),
+        **bc.provenance(f"python scripts/tune_tiny.py --runs {args.runs} --experiments {' '.join(grid)}"),
         "common_overrides": COMMON,
         "seeds": args.seeds,
         "unique_train_tokens": unique,
