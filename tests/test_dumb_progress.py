@@ -164,7 +164,10 @@ NODE = ["distributed.node_id=n0", "distributed.repo_id=/tmp/repo"]
     "overrides,line",
     [
         (["distributed.budget=tokens"], "distributed.budget must be local or global, got 'tokens'"),
-        (["distributed.budget=global"], "distributed.budget=global needs data.num_shards"),
+        (
+            ["distributed.budget=global", "launch.nodes=1"],
+            "distributed.budget=global needs nodes",
+        ),
     ],
 )
 def test_a_bad_budget_stops_with_one_line(overrides, line):

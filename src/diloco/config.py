@@ -404,12 +404,12 @@ def validate(cfg: DictConfig) -> None:
 
 
 def _check_dumb_diloco_run(cfg: DictConfig) -> None:
-    """What a DumbDiLoCo block needs of the whole config: a global budget, the run's node count; on the Hub,
-    a plan within the repository's commit limit (refused before anything runs)."""
+    """What a DumbDiLoCo block needs of the whole config: a global budget, the node count (data.num_shards,
+    else launch.nodes); on the Hub, a plan within the repository's commit limit (refused before it runs)."""
     from diloco.dumb_diloco.budget import config_budget, on_hub  # light: no Hub client
 
-    if cfg.distributed.get("budget") == "global" and cfg.data.get("num_shards") is None:
-        raise ConfigError("distributed.budget=global needs data.num_shards, the run's node count")
+    if cfg.distributed.get("budget") == "global" and (cfg.data.get("num_shards") or cfg.launch.nodes) == 1:
+        raise ConfigError("distributed.budget=global needs nodes: data.num_shards or launch.nodes above 1")
     verdict = budget.verdict() if (budget := config_budget(cfg)) is not None else None
     if verdict and verdict[0] == "refuse" and on_hub((d := cfg.distributed).repo_id):
         raise ConfigError(f"distributed.expected_step_seconds={d.expected_step_seconds:g}: {verdict[1]}")

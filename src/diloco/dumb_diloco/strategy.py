@@ -55,6 +55,8 @@ class DumbDiLoCo(Node):
         hf_config = json.loads(model.config.to_json_string()) if hasattr(model, "config") else None
         batch = cfg.train.batch_size  # the node's, split among its ranks
         workers = int(cfg.data.get("num_shards") or 1)
+        if settings.budget == "global":  # the budget's node count, checked by diloco.config.validate
+            workers = int(cfg.data.get("num_shards") or cfg.launch.nodes)
         leader = None
         if ctx.is_main:
             leader = cls(
