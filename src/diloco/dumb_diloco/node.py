@@ -393,7 +393,7 @@ class Node:
             self.included_step = snapshot.included.get(self.s.node_id, -1)
             self._steps_since_capture = 0
         self.installed_outer_step, self.num_peers = snapshot.outer_step, snapshot.num_peers
-        self.global_progress.installed(snapshot.included)
+        self.global_progress.installed(snapshot.included, self.local_step)
         self.installs += 1
         log.info("node %s: installed global outer step %d", self.s.node_id, snapshot.outer_step)
         return True
