@@ -239,7 +239,7 @@ def run(cfg: DictConfig) -> int:
             if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == max_steps:
                 eval_loss, last_eval_step = evaluate_now(), step
             periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
-            if periodic and step < max_steps:  # the last one is written after the final evaluation
+            if periodic and strategy.progress(step) < max_steps:  # the last one: after the final evaluation
                 save_checkpoint()
 
         # ------------------------------------------------------------------------- the end
