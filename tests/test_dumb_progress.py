@@ -3,6 +3,7 @@ nodes share num_nodes x max_steps node-steps and the inner lr follows the run's 
 
 - the schedule is transformers' warmup + cosine bit for bit at the local step (`budget: local` unchanged),
   and never rises again past optim.total_steps;
+- the trainer (train.py) stops and schedules at the run step the strategy reports (a half-pace strategy);
 - equal-speed nodes in lock step: every node's run step is its local step exactly, at every step (so its
   lr is the plain schedule's, bit for bit), and each stops at max_steps: the total is the budget exactly;
 - one node stepping at half (or a quarter of) the others' pace, in a fixed interleaving: the fast nodes run
@@ -15,13 +16,14 @@ Lock step in one process, no threads (v1 upload and poll), a clock that never mo
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 from dumb_helpers import FakeClock, Tiny, make_loop, nudge, publish, settings
 from omegaconf import OmegaConf
-from trainer_utils import compose_cfg
+from trainer_utils import compose_cfg, read_metrics, train
 from transformers import get_cosine_schedule_with_warmup
 
 from diloco.config import ConfigError, validate
@@ -188,3 +190,22 @@ def test_the_heterogeneous_experiment_is_tiny_dumb_diloco_with_a_global_budget()
     assert differ == {"budget", "state_dir", "drain_timeout"} and hetero.distributed.budget == "global"
     assert OmegaConf.to_container(hetero.optim) == OmegaConf.to_container(plain.optim)
     assert hetero.launch.nodes == 4
+
+
+def test_the_trainer_stops_and_schedules_at_the_strategys_run_step(tmp_path, monkeypatch):
+    """train.py's seam: a strategy whose run step is half its local step trains twice train.max_steps, and
+    its lr after step s is the schedule at s / 2."""
+    import diloco.train as trainer
+    from diloco.distributed import LocalTraining
+
+    class HalfPace(LocalTraining):
+        def progress(self, step: int) -> float:
+            return step / 2
+
+    monkeypatch.setattr(trainer, "build_strategy", lambda cfg, ctx, model, optimizer: HalfPace(ctx))
+    run_dir = train(tmp_path, "train.max_steps=6", "optim.total_steps=6", "optim.warmup_steps=2")
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == 12
+    lrs = {r["step"]: r["lr"] for r in read_metrics(run_dir) if "lr" in r}
+    assert sorted(lrs) == list(range(1, 13))
+    for step, lr in lrs.items():
+        assert lr == pytest.approx(3e-3 * cosine_with_warmup(step / 2, 2, 6), rel=1e-12, abs=1e-15)
