@@ -73,6 +73,9 @@ FAMILIES = {  # the order runs are started in
         "150m/diloco_8w_h500_fp16",
     ],
     "tiny": ["tiny/ddp_1x", "tiny/ddp_mx", "tiny/diloco_fp32", "tiny/diloco_fp16", "tiny/dumb_diloco"],
+    # issue 12's heterogeneous bar: run with one slow shard (--override train.slowdown=2 --override
+    # 'train.slow_shards=[3]'); DumbDiLoCo's nodes share synchronous DiLoCo's tokens (budget: global)
+    "tiny-hetero": ["tiny/diloco_fp32", "tiny/dumb_diloco_hetero"],
     # issue 15: the same comparison at 14M on one GPU in about 10 minutes (results/gpu)
     "gpu": ["gpu/ddp_1x", "gpu/ddp_mx", "gpu/diloco_fp32", "gpu/diloco_fp16", "gpu/dumb_diloco"],
     # issue 13: compressed pseudo-gradients and streaming fragments against FP32 (results/tiny-compress)
@@ -89,7 +92,7 @@ FAMILIES = {  # the order runs are started in
 
 
 # the families that run on this machine (run_local), and their device; the rest run on a hosts file's nodes
-LOCAL_FAMILIES = {"tiny": "cpu", "tiny-compress": "cpu", "gpu": "cuda"}
+LOCAL_FAMILIES = {"tiny": "cpu", "tiny-compress": "cpu", "tiny-hetero": "cpu", "gpu": "cuda"}
 
 # --cpu-smoke: every run of a GPU family at a size 2 CPU cores take in seconds. The batches, H and the
 # topology (W workers, the DDP ranks, the DumbDiLoCo nodes) stay the experiment's; the micro model reads

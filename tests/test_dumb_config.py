@@ -70,6 +70,7 @@ SPEC_BEHAVIOUR = {
     "lease_seconds": 0,
     "install": "replace",
     "install_when_staged": False,
+    "budget": "local",
 }
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "dumb_diloco.md"
 

@@ -329,6 +329,7 @@ def check_dumb_diloco(d: Any) -> None:
     _number(d, "expected_step_seconds", p, 0, strict=False)
     _number(d, "timeout_seconds", p, 0)
     _one_of(d, "install", p, ("replace", "translate"))
+    _one_of(d, "budget", p, ("local", "global"))
     _check_quantization(d, p, ("float32", "int8", "int4"))  # what the master decodes (delta_codec)
     if d.install_when_staged and d.install != "translate":
         raise ConfigError(
@@ -390,10 +391,8 @@ def validate(cfg: DictConfig) -> None:
             f"train.max_steps={c.train.max_steps} runs past optim.total_steps={c.optim.total_steps}, where the "
             "cosine schedule ends (it would climb back up): raise optim.total_steps"
         )
-    if c.device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"device must be auto, cpu or cuda, got {c.device!r}")
-    if c.precision not in ("auto", "bf16", "fp32"):
-        raise ConfigError(f"precision must be auto, bf16 or fp32, got {c.precision!r}")
+    _one_of(c, "device", "", ("auto", "cpu", "cuda"))
+    _one_of(c, "precision", "", ("auto", "bf16", "fp32"))
     _check_data(c.data)
     _check_model(c.model)
     if (n := c.data.seq_len) > (m := c.model.max_position_embeddings):
@@ -401,13 +400,16 @@ def validate(cfg: DictConfig) -> None:
     if d.mode == "diloco":
         _check_evaluated_steps_are_boundaries(c.train, d.inner_steps)
     if d.mode == "dumb_diloco":
-        _check_commit_budget(cfg)
+        _check_dumb_diloco_run(cfg)
 
 
-def _check_commit_budget(cfg: DictConfig) -> None:
-    """A Hub repository cannot take more than its commit limit: refuse such a plan before anything runs."""
+def _check_dumb_diloco_run(cfg: DictConfig) -> None:
+    """What a DumbDiLoCo block needs of the whole config: a global budget, the node count (data.num_shards,
+    else launch.nodes); on the Hub, a plan within the repository's commit limit (refused before it runs)."""
     from diloco.dumb_diloco.budget import config_budget, on_hub  # light: no Hub client
 
+    if cfg.distributed.get("budget") == "global" and (cfg.data.get("num_shards") or cfg.launch.nodes) == 1:
+        raise ConfigError("distributed.budget=global needs nodes: data.num_shards or launch.nodes above 1")
     verdict = budget.verdict() if (budget := config_budget(cfg)) is not None else None
     if verdict and verdict[0] == "refuse" and on_hub((d := cfg.distributed).repo_id):
         raise ConfigError(f"distributed.expected_step_seconds={d.expected_step_seconds:g}: {verdict[1]}")

@@ -233,6 +233,9 @@ class DiLoCo:
             }
         return metrics
 
+    def progress(self, step: int) -> float:
+        return step  # every worker steps together: the run's step is the local one
+
     @contextmanager
     def eval_weights(self, step: int):
         """Inside: the model holds the last averaged (global) weights, the ones an evaluation must see.

@@ -90,6 +90,9 @@ class LocalTraining:
         """The weights to evaluate are the live ones (every rank holds the same)."""
         return nullcontext()
 
+    def progress(self, step: int) -> float:
+        return step  # the run's step is the local one
+
     def state_dict(self) -> dict:
         return {}
 
@@ -234,6 +237,9 @@ class DataParallel:
     def eval_weights(self, step: int):
         """The weights to evaluate are the live ones (every rank holds the same)."""
         return nullcontext()
+
+    def progress(self, step: int) -> float:
+        return step  # the run's step is the local one
 
     def state_dict(self) -> dict:
         return {

@@ -232,6 +232,9 @@ class DumbDiLoCoConfig:
     expected_step_seconds: float = 0
     install: str = "replace"  # replace (the spec: the global's weights) | translate (keep own progress)
     install_when_staged: bool = False  # translate only: install as soon as a global is staged, mid-round
+    # local (the spec): every node trains train.max_steps steps; global: the nodes share num_shards x max_steps
+    # node-steps (synchronous DiLoCo's tokens) and the lr follows the run's step (dumb_diloco/progress.py)
+    budget: str = "local"
     # deltas on the wire (issue 13; dumb_diloco/delta_codec.py): float32 | int8 | int4 (diloco.quant)
     pseudo_grad_dtype: str = "float32"
     error_feedback: Optional[bool] = None  # int8/int4: on unless false; the node keeps what quantization lost

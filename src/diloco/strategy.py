@@ -4,7 +4,7 @@
     train_model = strategy.wrap(model)                     # DDP inside a worker, or the model itself
     strategy.load_state_dict(state["strategy"])            # only when resuming
     strategy.start()                                       # connect, start threads, first rendezvous
-    for every step:
+    while strategy.progress(step) < max_steps:             # the run's step (the lr schedule's too)
         with strategy.grad_sync(last_micro_step):          # around each micro-step's backward
             ...
         metrics = strategy.after_inner_step(step)          # after each optimizer step: outer rounds
@@ -15,6 +15,9 @@
     strategy.close()                                       # always, also after an error; idempotent
 
 `num_workers` is how many workers' samples one step stands for (effective_step, tokens_seen).
+`progress(step)` is the run's step after `step` local steps: `step` itself, except for a DumbDiLoCo node
+under `budget: global`, whose estimate of the whole run's step lets fast nodes train on and slow ones stop
+early, and sets the lr (diloco.schedule).
 Implementations: LocalTraining and DataParallel (distributed.py), DiLoCo (diloco.py), DumbDiLoCo
 (dumb_diloco/strategy.py). docs/architecture.md draws the whole data flow.
 """
@@ -38,6 +41,8 @@ class Strategy(Protocol):
     def grad_sync(self, last_micro_step: bool) -> AbstractContextManager: ...
 
     def after_inner_step(self, step: int) -> dict[str, float]: ...
+
+    def progress(self, step: int) -> float: ...
 
     def eval_weights(self, step: int) -> AbstractContextManager: ...
 

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
-from transformers import get_cosine_schedule_with_warmup
 
 from diloco import checkpoint
 from diloco.checkpoint import CheckpointError
@@ -48,6 +47,7 @@ from diloco.distributed import (
 )
 from diloco.metrics import RunLogger, git_commit, nothing_left_on
 from diloco.model import build_model, count_parameters, shape_fingerprint
+from diloco.schedule import build_schedule
 
 log = logging.getLogger("diloco")
 
@@ -140,8 +140,9 @@ def run(cfg: DictConfig) -> int:
     )
 
     # ----------------------------------------------------------------------------- optimizers, strategy
-    optimizer, scheduler = build_optimizer(cfg, model, device)
+    optimizer = build_optimizer(cfg, model, device)
     strategy = build_strategy(cfg, ctx, model, optimizer)
+    scheduler = build_schedule(cfg, optimizer, strategy.progress)  # at the run's step (Strategy.progress)
     train_model = strategy.wrap(model)
     if cfg.compile if cfg.compile is not None else device.type == "cuda":
         train_model = torch.compile(train_model)
@@ -193,7 +194,7 @@ def run(cfg: DictConfig) -> int:
     window_start, window_tokens = time.perf_counter(), 0
     status, exit_code = "completed", 0
     try:
-        while step < max_steps and not (stopping := agree_to_stop(stop.requested)):
+        while strategy.progress(step) < max_steps and not (stopping := agree_to_stop(stop.requested)):
             t0 = time.perf_counter()
             step_loss = torch.zeros((), device=device)
             for i in range(accum):
@@ -238,7 +239,7 @@ def run(cfg: DictConfig) -> int:
             if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == max_steps:
                 eval_loss, last_eval_step = evaluate_now(), step
             periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
-            if periodic and step < max_steps:  # the last one is written after the final evaluation
+            if periodic and strategy.progress(step) < max_steps:  # the last one: after the final evaluation
                 save_checkpoint()
 
         # ------------------------------------------------------------------------- the end
@@ -258,7 +259,7 @@ def run(cfg: DictConfig) -> int:
             if strategy.finish() or last_eval_step != step:
                 eval_loss = evaluate_now()
             ends_on_period = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
-            if step == max_steps and (cfg.train.checkpoint_at_end or ends_on_period):
+            if strategy.progress(step) >= max_steps and (cfg.train.checkpoint_at_end or ends_on_period):
                 save_checkpoint()  # the model that was evaluated, and the strategy's final state
     except KeyboardInterrupt:
         status, exit_code = "aborted", 130
@@ -338,19 +339,16 @@ def record_config(cfg, run_dir: Path, ctx: DistContext) -> dict:
     return resolved
 
 
-def build_optimizer(cfg, model, device: torch.device):
-    """The inner optimizer (AdamW, fused on CUDA by default) and its warmup + cosine schedule."""
+def build_optimizer(cfg, model, device: torch.device) -> torch.optim.AdamW:
+    """The inner optimizer (AdamW, fused on CUDA by default); its schedule: diloco.schedule."""
     fused = cfg.optim.fused if cfg.optim.fused is not None else (device.type == "cuda" or None)
-    optimizer = torch.optim.AdamW(
+    return torch.optim.AdamW(
         model.parameters(),
         lr=cfg.optim.lr,
         betas=tuple(cfg.optim.betas),
         weight_decay=cfg.optim.weight_decay,
         foreach=cfg.optim.foreach,
         fused=fused,
-    )
-    return optimizer, get_cosine_schedule_with_warmup(
-        optimizer, cfg.optim.warmup_steps, cfg.optim.total_steps
     )
 
 

@@ -33,6 +33,7 @@ from .budget import pace_warning
 from .delta_codec import DeltaCodec
 from .install import translate
 from .master import OuterLoop
+from .progress import GlobalProgress
 from .recovery import GlobalSnapshot, MasterState, delta_layout, state_layout
 from .settings import DumbDiLoCoError, Settings
 from .startup import GlobalReader
@@ -99,8 +100,8 @@ class StepResult:
     metrics: dict[str, float] | None = None
 
 
-_COUNTERS = ("installs", "uploads", "upload_failures", "skipped_boundaries", "poll_failures")
-_COUNTERS += ("rejected_globals", "bytes_uploaded", "bytes_downloaded", "boundaries", "stall_seconds")
+_COUNTERS = ("installs", "uploads", "upload_failures", "skipped_boundaries", "poll_failures", "boundaries")
+_COUNTERS += ("rejected_globals", "bytes_uploaded", "bytes_downloaded", "stall_seconds")
 _COUNTERS += ("boundary_stall_seconds",)
 
 
@@ -126,6 +127,7 @@ class Node:
             raise ValueError("role=single has no node (it trains like distributed=none)")
         self.model, self.s, self.transport = model, settings, transport
         self.optimizer, self.num_workers = optimizer, num_workers
+        self.global_progress = GlobalProgress(settings.node_id, num_workers, settings.budget == "global")
         self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
         self.hf_config = hf_config if settings.publish_hf_config else None
         self.clock, self.sleep = clock, sleep
@@ -137,8 +139,7 @@ class Node:
         self.delta_keys = list(delta_layout(state))
         self.translating = settings.install == "translate"
         self.codec = DeltaCodec.from_settings(settings)  # float32, or int8/int4 with error feedback
-        # install.translate's state: the last installed global (delta keys), the newest own delta it
-        # included, and the snapshots of the deltas no installed global includes yet (by local step)
+        # install.translate's state: the last installed global, its newest own delta, the snapshots it lacks
         self.reference: dict[str, torch.Tensor] | None = None
         self.included_step = -1
         self.pending_snapshots: dict[int, dict[str, torch.Tensor]] = {}
@@ -164,8 +165,7 @@ class Node:
         self.ckpt_master: MasterState | None = None
         self.state_lock = None  # the master's open <state_dir>/<node_id>/master.lock (flock: one process)
         self._resume: dict | None = None  # a trainer checkpoint taken mid-inner-loop (past the spec)
-        self._first_boundary_time: float | None = None
-        self._budget_checked = False
+        self._first_boundary_time, self._budget_checked = None, False  # the commit budget's pace check
         for k in _COUNTERS:
             setattr(self, k, 0.0 if k.endswith("seconds") else 0)
         self.installed_outer_step, self.num_peers, self.last_delta_bytes = -1, 0, 0
@@ -393,6 +393,7 @@ class Node:
             self.included_step = snapshot.included.get(self.s.node_id, -1)
             self._steps_since_capture = 0
         self.installed_outer_step, self.num_peers = snapshot.outer_step, snapshot.num_peers
+        self.global_progress.installed(snapshot.included, self.local_step)
         self.installs += 1
         log.info("node %s: installed global outer step %d", self.s.node_id, snapshot.outer_step)
         return True
@@ -422,8 +423,7 @@ class Node:
             "comm/stall_seconds_total": self.stall_seconds,
         }
         m |= {f"comm/{k}": getattr(self, k) for k in comm.split()}
-        if stall is not None:
-            m["comm/boundary_stall_seconds"] = stall
+        m |= {"comm/boundary_stall_seconds": stall} if stall is not None else {}
         if self.codec.bits:  # ||Q(v) - v|| / ||v|| of the last delta encoded (like DiLoCo's)
             m["comm/cast_rel_error"] = self.codec.rel_error
         if (o := self.outer) is not None:

@@ -41,6 +41,9 @@ class NodeRanks:
     def eval_weights(self, step: int):
         return self.ddp.eval_weights(step)
 
+    def progress(self, step: int) -> float:
+        return step  # budget: global is refused for a node of several ranks (DumbDiLoCo.from_config)
+
     def start(self) -> None:
         """Rank 0 connects and installs the starting global (or resumes); every rank then holds its weights."""
         self._on_leader("start", lambda leader: leader.start())

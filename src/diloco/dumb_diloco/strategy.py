@@ -41,6 +41,8 @@ class DumbDiLoCo(Node):
         from diloco.distributed import DataParallel, LocalTraining
 
         settings = Settings.from_config(cfg.distributed)
+        if settings.budget == "global" and ctx.world_size > 1:  # its ranks would need rank 0's run step
+            raise settings.error("distributed.budget=global is not supported yet for a node of several ranks")
         ddp = DataParallel(cfg.distributed, ctx, model) if ctx.world_size > 1 else None
         if settings.role == "single":
             return ddp or LocalTraining(ctx)
@@ -53,6 +55,8 @@ class DumbDiLoCo(Node):
         hf_config = json.loads(model.config.to_json_string()) if hasattr(model, "config") else None
         batch = cfg.train.batch_size  # the node's, split among its ranks
         workers = int(cfg.data.get("num_shards") or 1)
+        if settings.budget == "global":  # the budget's node count, checked by diloco.config.validate
+            workers = int(cfg.data.get("num_shards") or cfg.launch.nodes)
         leader = None
         if ctx.is_main:
             leader = cls(
@@ -85,6 +89,12 @@ class DumbDiLoCo(Node):
     def eval_weights(self, step: int):
         """A node evaluates the weights it holds (the master: the final global, see finish)."""
         return nullcontext()
+
+    def progress(self, step: int) -> float:
+        """The run's step after `step` steps of this node: `step` itself (`budget: local`, the spec), or
+        under `budget: global` its estimate from the installed global (progress.py): the trainer stops
+        when it reaches train.max_steps, and the lr schedule is evaluated there."""
+        return self.global_progress.step(step)
 
     def finish(self) -> bool:
         """End of training (ending.py): the last delta and the final marker (within shutdown_timeout); on a
@@ -178,9 +188,25 @@ class DumbDiLoCo(Node):
                 "dumb_diloco/role": self.s.role,
                 "dumb_diloco/node_id": self.s.node_id,
                 "dumb_diloco/final_delta": self.final_status,
+                "dumb_diloco/budget": self.s.budget,
+                "dumb_diloco/local_steps": self.local_step,
+                "dumb_diloco/run_step": self.progress(self.local_step),  # this node's estimate at its end
             }
+            | self._budget_summary()
             | ({"dumb_diloco/final_left": self.outer.describe_left()} if self.outer is not None else {})
         )
+
+    def _budget_summary(self) -> dict:
+        """On the master after its drain: the node-steps its final global holds (every node's newest applied
+        local step, summed: the run's tokens / tokens_per_step when no delta was lost)."""
+        if self.outer is None:
+            return {}
+        with self.outer.lock:
+            applied = sum(max(step, 0) for step in self.outer.state.ledger.included.values())
+        return {
+            "dumb_diloco/node_steps_applied": applied,
+            "dumb_diloco/tokens_applied": applied * self.tokens_per_step,
+        }
 
     def state_dict(self) -> dict:
         """Counters, the installed outer step and (master) the full outer state; past the spec, the
@@ -194,6 +220,7 @@ class DumbDiLoCo(Node):
             "steps_since_capture": self._steps_since_capture,
             "baseline": {k: t.clone() for k, t in self._baseline.items()},
             "last_uploaded": list(self.last_uploaded or ()),
+            "progress": self.global_progress.state_dict(),
         }
         if self.translating and self.reference is not None:  # install.translate's state (references)
             out["translate"] = {"reference": self.reference, "included_step": self.included_step}
@@ -215,6 +242,8 @@ class DumbDiLoCo(Node):
                 setattr(self, k, type(getattr(self, k))(state[k]))
         if last := state.get("last_uploaded"):
             self.last_uploaded = (int(last[0]), str(last[1]))
+        if "progress" in state:  # the run step as it was; the next install replaces it
+            self.global_progress.load_state_dict(state["progress"])
         if "master" in state and self.s.is_master:
             self.ckpt_master = MasterState.from_checkpoint(state["master"])
         try:  # the error-feedback residual continues as it was (delta_codec)
