@@ -115,9 +115,11 @@ if [[ $EXP_MODE == dumb_diloco ]]; then
   (( SHARD < EXP_WORKERS )) || die "--shard $SHARD is outside 0..$((EXP_WORKERS - 1)) for $EXPERIMENT ($EXP_WORKERS nodes)"
   [[ -n $NODE_RANK_GIVEN ]] || NODE_RANK=$SHARD
   RUN_NAME=$EXP_RUN_NAME-$NODE_ID
+  NODE_EXTRA=()  # a run_name given after `--` names the run; each node's is <run_name>-<node_id>
+  for a in "${EXTRA[@]}"; do [[ $a == run_name=* ]] || NODE_EXTRA+=("$a"); done
   TRAIN_ARGS=("experiment=$EXPERIMENT" "$DEVICE" "run_name=$RUN_NAME"
        "distributed.role=$ROLE" "distributed.node_id=$NODE_ID" "distributed.repo_id=$REPO_ID"
-       "data.shard=$SHARD" "data.num_shards=$EXP_WORKERS" "${EXTRA[@]}")
+       "data.shard=$SHARD" "data.num_shards=$EXP_WORKERS" "${NODE_EXTRA[@]}")
   CMD=("$PY" -m diloco.train "${TRAIN_ARGS[@]}")
   if (( EXP_GPUS_PER_NODE > 1 )); then  # a node of G ranks: DDP inside, its rank 0 talks to the store
     CMD=("$PY" scripts/launch_ranks.py --nnodes 1 --nproc_per_node "$EXP_GPUS_PER_NODE" --standalone

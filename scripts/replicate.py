@@ -282,12 +282,14 @@ def run_local(name: str, runs: Path, overrides: list[str] = (), device: str = "c
     """A local family's run on this machine: on CPU (the tiny families, --cpu-smoke) or on its GPU."""
     cfg = compose_experiment(name, list(overrides))
     common = [f"out_dir={runs}", "train.progress=false", *overrides]
-    summary = runs / cfg.run_name / "summary.json"
-    if summary.exists() and json.loads(summary.read_text()).get("step") == cfg.train.max_steps:
+    dumb = cfg.distributed.mode == "dumb_diloco"  # its master's summary holds the final global's evaluation
+    summary = runs / (f"{cfg.run_name}-node-0" if dumb else cfg.run_name) / "summary.json"
+    done = json.loads(summary.read_text()) if summary.exists() else {}
+    if done.get("status") == "completed" and (dumb or done.get("step") == cfg.train.max_steps):
         print(f"   {name}: already complete in {summary.parent} (delete it to run again)", flush=True)
         return
     cpu = ["--cpu"] if device == "cpu" else []
-    if cfg.distributed.mode != "dumb_diloco":
+    if not dumb:
         subprocess.run(
             ["scripts/launch_node.sh", "--experiment", name, *cpu, "--", *common], cwd=ROOT, check=True
         )
@@ -298,7 +300,7 @@ def run_local(name: str, runs: Path, overrides: list[str] = (), device: str = "c
     for stale in [
         repo,
         runs / f"{cfg.run_name}-state",
-        *(runs / f"{cfg.run_name}-node-{i}" for i in range(nodes)),
+        *(runs / f"{cfg.run_name}-node-{i}{part}" for i in range(nodes) for part in ("", "-state")),
     ]:
         shutil.rmtree(stale, ignore_errors=True)
     procs = []

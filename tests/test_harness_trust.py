@@ -345,6 +345,15 @@ def test_a_dumb_diloco_worker_takes_shard_and_label_from_its_node_rank():
     assert "data.shard=3" in cmd and "data.num_shards=8" in cmd
 
 
+def test_a_run_name_given_to_a_dumb_diloco_node_stays_per_node():
+    """A run_name after `--` names the run; each node still writes its own <run_name>-<node_id> (its
+    metrics, summary and master state), never one folder shared by every node."""
+    out = launch("--role", "worker", "--node-rank", "3", *DUMB, "--", "run_name=sweep-a")
+    assert out.returncode == 0, out.stderr
+    cmd = out.stdout.splitlines()[-1]
+    assert "run_name=sweep-a-w3" in cmd and " run_name=sweep-a " not in f"{cmd} "
+
+
 def test_a_token_override_is_shown_redacted_by_the_launcher():
     """launch_node.sh prints the command (dry run) and logs it (launch-node<R>.log) from one redacted
     string: a token given after `--` reaches neither (issue 14, finding 3)."""
