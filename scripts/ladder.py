@@ -122,12 +122,14 @@ def plot(rungs: list[dict], out: Path, label: str) -> None:
             [r["parameters"]] * len(r["gap_per_seed"]), [100 * g for g in r["gap_per_seed"]], s=10, c="k"
         )
     ax.axhline(0, color="grey", lw=0.8)
-    ax.text(0.02, 0.04, STUDY, transform=ax.transAxes, fontsize=7, color="dimgrey", va="bottom")
+    ax.text(0.98, 0.04, STUDY, transform=ax.transAxes, fontsize=7, color="dimgrey", va="bottom", ha="right")
     ax.set_xscale("log")
     ax.set_xlabel("parameters")
     ax.set_ylabel("final held-out perplexity gap (%)")
     ax.set_title("Model-size ladder at equal tokens (400 steps, fresh data)")
-    ax.legend(fontsize=7)
+    top = max(100 * g for r in rungs for g in r["gap_per_seed"])
+    ax.set_ylim(min(-5, ax.get_ylim()[0]), max(5, top * 1.35))  # room for the legend above the points
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
