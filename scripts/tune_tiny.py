@@ -30,24 +30,21 @@ from replicate import run_local
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["data.packing=true", "data.eval_subset=tune", "launch.reference=null", "launch.family=tiny-tune"]
 LRS = (1e-3, 2e-3, 4e-3)
+
+
+def outer(h: int, lr: float, m: float) -> tuple[str, list[str]]:
+    """One DiLoCo / DumbDiLoCo setting: its name and its overrides."""
+    keys = {"inner_steps": h, "outer_lr": lr, "outer_momentum": m}
+    return f"h{h}-lr{lr}-m{m}", [f"distributed.{k}={v}" for k, v in keys.items()]
+
+
 GRID = {  # experiment -> settings (name, overrides)
     "tiny/diloco_fp32": [
-        (
-            f"h{h}-lr{lr}-m{m}",
-            [f"distributed.inner_steps={h}", f"distributed.outer_lr={lr}", f"distributed.outer_momentum={m}"],
-        )
-        for h in (10, 25, 50)
-        for lr, m in ((1.0, 0.0), (0.5, 0.8), (0.7, 0.9))
-    ],  # fmt: skip
+        outer(h, lr, m) for h in (10, 25, 50) for lr, m in ((1.0, 0.0), (0.5, 0.8), (0.7, 0.9))
+    ],
     # DumbDiLoCo (master + 3 workers): the synchronous best, plain averaging at H=10 (its second) and a
     # longer H, tuned on its own rather than assumed to share synchronous DiLoCo's best
-    "tiny/dumb_diloco": [
-        (
-            f"h{h}-lr{lr}-m{m}",
-            [f"distributed.inner_steps={h}", f"distributed.outer_lr={lr}", f"distributed.outer_momentum={m}"],
-        )
-        for h, lr, m in ((25, 0.5, 0.8), (10, 1.0, 0.0), (50, 0.5, 0.8))
-    ],  # fmt: skip
+    "tiny/dumb_diloco": [outer(25, 0.5, 0.8), outer(10, 1.0, 0.0), outer(50, 0.5, 0.8)],
     "tiny/ddp_mx": [(f"lr{lr:g}", [f"optim.lr={lr}"]) for lr in LRS],
     "tiny/ddp_1x": [(f"lr{lr:g}", [f"optim.lr={lr}"]) for lr in LRS],
 }
