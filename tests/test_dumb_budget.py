@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from dumb_helpers import Spy, make_loop
+from dumb_helpers import Spy, make_loop, settings
 
 from diloco.config import ConfigError, validate
-from diloco.dumb_diloco.budget import CommitBudget, commit_budget, config_budget
+from diloco.dumb_diloco.budget import CommitBudget, PaceCheck, commit_budget, config_budget, pace_warning
 from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, LEASE_PATH
 from diloco.dumb_diloco.transport import DirectoryTransport
 
@@ -88,6 +88,19 @@ def test_a_hub_plan_over_the_limit_is_refused_in_one_line():
     )
     with pytest.raises(ConfigError, match="expected_step_seconds"):
         validate(compose_experiment(PAPER[0], ["distributed.expected_step_seconds=-1", *hub[2:]]))
+
+
+def test_a_node_checks_its_pace_once_between_its_first_two_boundaries():
+    """At run time a node on the Hub warns once, at its second boundary, if the run at the pace it measured
+    since its first would go over the limit (node.py calls this at every boundary)."""
+    s = settings("/tmp/repo", inner_steps=50, min_deltas_per_round=0)  # every delta its own outer step
+    assert pace_warning(s, 60.0) is not None and pace_warning(s, 3600.0) is None
+    check = PaceCheck()
+    assert check.boundary(s, 1000.0) is None  # the first boundary: the clock starts
+    assert check.boundary(s, 1060.0) == pace_warning(s, 60.0)  # 50 steps a minute: over the limit
+    assert check.boundary(s, 1061.0) is None and check.boundary(s, 1062.0) is None  # once only
+    slow = PaceCheck()
+    assert slow.boundary(s, 0.0) is None and slow.boundary(s, 3600.0) is None
 
 
 def test_a_plan_between_100_and_128_is_warned_about():

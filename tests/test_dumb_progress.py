@@ -73,25 +73,41 @@ def test_the_run_step_by_hand():
     assert [progress.step(s) for s in (14, 15, 16, 17, 18)] == [held, held, held, 156 / 4 + 3, 156 / 4 + 4]
 
 
-def run(tmp_path, pace: list[int], max_steps: int, **kw):
+def test_the_pace_and_a_round_by_hand():
+    progress = GlobalProgress("a", num_nodes=3, global_budget=True)
+    assert (progress.pace, progress.round_steps(25)) == (1.0, 25)  # nothing installed yet: H
+    progress.installed({"a": -1, "b": -1}, 5)  # nothing applied yet: no measure
+    assert progress.pace == 1.0
+    progress.installed({"a": 10, "b": 50, "c": 40}, 24)  # at step 24 of "a", "b" has 50 in the global
+    assert (progress.pace, progress.round_steps(25), progress.round_steps(1)) == (24 / 50, 12, 1)
+    progress.installed({"a": 30, "b": 50, "c": 40}, 60)  # ahead of every node: at most 1
+    assert (progress.pace, progress.round_steps(25)) == (1.0, 25)
+    restored = GlobalProgress("a", num_nodes=3, global_budget=True)
+    restored.load_state_dict(progress.state_dict() | {"pace": 0.5})
+    assert restored.round_steps(25) == 12 and restored.state_dict()["pace"] == 0.5
+
+
+def run(tmp_path, pace: list[int], max_steps: int, tick_seconds: float = 0.0, **kw):
     """Nodes i = 0..N-1 (workers, `budget: global`, translate + install when staged) and a master loop
     with a quorum of N nodes. Node i takes a turn every pace[i] ticks: the trainer's loop check (stop
     once its run step reaches max_steps: its last delta and final marker), else one step. The master
-    runs one round after every tick. Returns the nodes, the master loop and its repository, and each
+    runs one round after every tick. The nodes' clock moves `tick_seconds` a tick (0: they poll only at
+    boundaries; 1: at every turn, poll_interval being 1 s). Returns the nodes, the master loop and its repository, and each
     node's (local step, run step) before every step it took."""
     repo = DirectoryTransport(tmp_path / "repo")
     publish(repo, Tiny().state_dict(), 0)
     loop, _ = make_loop(repo, min_deltas_per_round=len(pace), lr=1.0, momentum=0.0)
-    nodes = []
+    nodes, clock = [], FakeClock()
     for i in range(len(pace)):
         s = settings(tmp_path / "repo", node_id=f"n{i}", budget="global", **kw)
-        node = DumbDiLoCo(Tiny(), s, repo, num_workers=len(pace), tokens_per_step=1, clock=FakeClock())
+        node = DumbDiLoCo(Tiny(), s, repo, num_workers=len(pace), tokens_per_step=1, clock=clock)
         node.start()
         nodes.append(node)
     seen: list[list[tuple[int, float]]] = [[] for _ in pace]
     running, tick = set(range(len(pace))), 0
     while running:
         tick += 1
+        clock.advance(tick_seconds)
         assert tick < 100 * max_steps, "a node never stopped"
         for i in sorted(running):
             node = nodes[i]
@@ -162,6 +178,33 @@ def test_a_slow_node_stops_with_the_fast_ones_and_the_budget_is_spent_within_a_r
         assert run_steps == sorted(run_steps) and run_steps[-1] < max_steps
 
 
+def delta_steps(node, repo) -> list[int]:
+    """The steps each of `node`'s uploaded deltas covers, in order (from their headers: 1 token per step)."""
+    steps = sorted(int(p.stem.split("_")[1]) for p in (repo.root / "nodes" / node.s.node_id).glob("delta_*"))
+    header = lambda step: parse_header(repo.read(f"nodes/{node.s.node_id}/delta_{step}.safetensors"))  # noqa: E731
+    return [int(header(step).metadata["tokens_since_baseline"]) for step in steps]
+
+
+def test_dynamic_local_steps_give_a_slow_node_shorter_rounds_and_the_master_more_steps(tmp_path):
+    """Async Local-SGD's dynamic local updates: a node at half the others' pace runs about H/2 steps a round,
+    so the quorum of every node fills twice as often; every step still lands once, within the budget."""
+    h, max_steps, pace = 8, 96, [1, 1, 1, 2]
+    kw = dict(install="translate", install_when_staged=True, inner_steps=h)
+    runs = {}
+    for dynamic in (False, True):
+        path = tmp_path / str(dynamic)
+        nodes, loop, repo, _ = run(path, pace, max_steps, 1.0, dynamic_local_steps=dynamic, **kw)
+        total = landed_once(nodes, loop, repo)
+        assert abs(total - len(pace) * max_steps) <= len(pace) * h, total
+        runs[dynamic] = (nodes, loop, repo)
+    nodes, loop, repo = runs[True]
+    slow, fast = delta_steps(nodes[3], repo), [delta_steps(n, repo) for n in nodes[:3]]
+    assert slow[0] == h and sorted(slow[1:-1])[len(slow) // 2] == h // 2, slow  # after the first round: H/2
+    assert all(set(f[:-1]) == {h} for f in fast), fast  # the fast nodes keep H
+    assert loop.state.outer_step >= 1.6 * runs[False][1].state.outer_step  # no round waits for 2H slow steps
+    assert nodes[3].global_progress.pace == pytest.approx(0.5, abs=0.1)
+
+
 NODE = ["distributed.node_id=n0", "distributed.repo_id=/tmp/repo"]
 
 
@@ -172,6 +215,10 @@ NODE = ["distributed.node_id=n0", "distributed.repo_id=/tmp/repo"]
         (
             ["distributed.budget=global", "launch.nodes=1"],
             "distributed.budget=global needs nodes",
+        ),
+        (
+            ["distributed.dynamic_local_steps=true"],
+            "distributed.dynamic_local_steps needs distributed.budget=global (a slow node would train alone",
         ),
     ],
 )
@@ -188,7 +235,9 @@ def test_the_heterogeneous_experiment_is_tiny_dumb_diloco_with_a_global_budget()
     plain = compose_cfg(["experiment=tiny/dumb_diloco", *NODE, "data.shard=3", "data.num_shards=4"])
     block = [OmegaConf.to_container(c.distributed, resolve=False) for c in (hetero, plain)]
     differ = {k for k, v in block[0].items() if block[1][k] != v}
-    assert differ == {"budget", "drain_timeout"} and hetero.distributed.budget == "global"
+    assert (
+        differ == {"budget", "drain_timeout", "dynamic_local_steps"} and hetero.distributed.budget == "global"
+    )
     assert OmegaConf.to_container(hetero.optim) == OmegaConf.to_container(plain.optim)
     assert hetero.launch.nodes == 4
 

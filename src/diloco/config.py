@@ -331,13 +331,14 @@ def check_dumb_diloco(d: Any) -> None:
     _one_of(d, "install", p, ("replace", "translate"))
     _one_of(d, "budget", p, ("local", "global"))
     _check_quantization(d, p, ("float32", "int8", "int4"))  # what the master decodes (delta_codec)
-    if d.install_when_staged and d.install != "translate":
-        raise ConfigError(
-            f"{p}install_when_staged needs {p}install=translate (a replace mid-round loses work)"
-        )
-    wait, what = (d.drain_timeout + d.shutdown_timeout, "drain_timeout + shutdown_timeout")
-    if d.role != "master":
-        wait, what = d.shutdown_timeout, "shutdown_timeout"
+    for key, other, value, why in (
+        ("install_when_staged", "install", "translate", "a replace mid-round loses work"),
+        ("dynamic_local_steps", "budget", "global", "a slow node would train alone at the end"),
+    ):
+        if getattr(d, key) and getattr(d, other) != value:
+            raise ConfigError(f"{p}{key} needs {p}{other}={value} ({why})")
+    wait = d.shutdown_timeout + (d.drain_timeout if d.role == "master" else 0)
+    what = "drain_timeout + shutdown_timeout" if d.role == "master" else "shutdown_timeout"
     if d.timeout_seconds < wait:
         raise ConfigError(
             f"{p}timeout_seconds ({d.timeout_seconds:g}) must be at least {what} ({wait:g}): a node's other "
@@ -349,7 +350,7 @@ def check_dumb_diloco(d: Any) -> None:
     for key in ("base_delay_s", "max_delay_s", "max_total_s"):
         _number(d.retry, key, p + "retry.", 0, strict=False)
     for key in ("reset_inner_optimizer", "async_delta_upload", "async_global_poll", "publish_hf_config",
-                "staleness_weighting", "delayed_nesterov", "publish_master_state"):  # fmt: skip
+                "staleness_weighting", "delayed_nesterov", "publish_master_state", "dynamic_local_steps"):  # fmt: skip
         if not isinstance(getattr(d, key), bool):
             raise ConfigError(f"{p}{key} must be true or false, got {getattr(d, key)!r}")
     if not d.state_dir:
@@ -368,7 +369,6 @@ def validate(cfg: DictConfig) -> None:
     d = check_distributed(resolved.pop("distributed"))
     resolved.pop("hydra", None)
     c = typed(resolved, schema.Config, "")
-
     for key in ("optim.lr", "train.batch_size", "train.micro_batch_size", "data.seq_len", "eval.tokens",
                 "eval.micro_batch_size", "optim.total_steps", "launch.ranks_per_gpu"):  # fmt: skip
         block, name = key.split(".")

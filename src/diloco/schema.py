@@ -235,6 +235,9 @@ class DumbDiLoCoConfig:
     # local (the spec): every node trains train.max_steps steps; global: the nodes share num_shards x max_steps
     # node-steps (synchronous DiLoCo's tokens) and the lr follows the run's step (dumb_diloco/progress.py)
     budget: str = "local"
+    # global budget only: a node's round is H x its speed / the fastest node's (Async Local-SGD's dynamic local
+    # updates, arXiv 2401.09135), so a slow node's deltas arrive with the others' (dumb_diloco/progress.py)
+    dynamic_local_steps: bool = False
     # deltas on the wire (issue 13; dumb_diloco/delta_codec.py): float32 | int8 | int4 (diloco.quant)
     pseudo_grad_dtype: str = "float32"
     error_feedback: Optional[bool] = None  # int8/int4: on unless false; the node keeps what quantization lost

@@ -132,3 +132,20 @@ def pace_warning(s: Any, seconds_per_boundary: float) -> str | None:
     )
     verdict = budget.verdict()
     return verdict[1] if verdict else None
+
+
+@dataclass
+class PaceCheck:
+    """A node's check at run time, once: at its second boundary, the budget at the pace since its first."""
+
+    first: float | None = None
+    done: bool = False
+
+    def boundary(self, s: Any, now: float) -> str | None:
+        if self.done:
+            return None
+        if self.first is None:
+            self.first = now
+            return None
+        self.done = True
+        return pace_warning(s, now - self.first)

@@ -1,7 +1,7 @@
 """A DumbDiLoCo node (master or worker): the seven steps after each optimizer step, and its two lanes.
 
 After each optimizer step (1) `Node.on_step` receives the local step (2); at a boundary
-(local_step % inner_steps == 0) it takes the cumulative pseudo-gradient float32(baseline) -
+(local_step % inner_steps == 0; or every H x pace steps, `dynamic_local_steps`) it takes the cumulative pseudo-gradient float32(baseline) -
 float32(weights), plus any delta whose upload failed (3), uploads it as
 nodes/<node_id>/delta_<local_step>.safetensors (4), polls for a newer global (5; between boundaries at
 most once per poll_interval), installs a compatible one (6) and tells the trainer to reset its inner
@@ -29,7 +29,7 @@ import torch
 from diloco.model import weights_sha256
 
 from .aggregation import pseudo_gradient
-from .budget import pace_warning
+from .budget import PaceCheck
 from .delta_codec import DeltaCodec
 from .install import translate
 from .master import OuterLoop
@@ -165,7 +165,7 @@ class Node:
         self.ckpt_master: MasterState | None = None
         self.state_lock = None  # the master's open <state_dir>/<node_id>/master.lock (flock: one process)
         self._resume: dict | None = None  # a trainer checkpoint taken mid-inner-loop (past the spec)
-        self._first_boundary_time, self._budget_checked = None, False  # the commit budget's pace check
+        self.pace_check = PaceCheck()  # the Hub commit budget at this node's measured pace
         for k in _COUNTERS:
             setattr(self, k, 0.0 if k.endswith("seconds") else 0)
         self.installed_outer_step, self.num_peers, self.last_delta_bytes = -1, 0, 0
@@ -187,7 +187,11 @@ class Node:
         self.local_step = local_step  # 2
         self._steps_since_capture += 1
         self._collect_lanes()
-        boundary, captured = local_step % self.s.inner_steps == 0, False
+        if self.s.dynamic_local_steps:  # Async Local-SGD: H x pace steps since the last capture (progress.py)
+            boundary = self._steps_since_capture % self.global_progress.round_steps(self.s.inner_steps) == 0
+        else:
+            boundary = local_step % self.s.inner_steps == 0
+        captured = False
         if boundary:
             self.boundaries += 1
             if self.uploading:
@@ -212,7 +216,10 @@ class Node:
         if boundary:
             self.boundary_stall_seconds += stall
             self.max_boundary_stall = max(self.max_boundary_stall, stall)
-            self._check_commit_budget()
+            if isinstance(self.transport, HubTransport) and (
+                warn := self.pace_check.boundary(self.s, self.clock())
+            ):
+                log.warning("node %s: at this node's pace, %s", self.s.node_id, warn)
             result.metrics = self.metrics(stall)
         return result
 
@@ -399,17 +406,6 @@ class Node:
         return True
 
     # ---------------------------------------------------------------- metrics, state, shutdown
-
-    def _check_commit_budget(self) -> None:
-        """Warn once if the run, at this node's pace between its first two boundaries, nears the Hub's limit."""
-        if self._budget_checked or not isinstance(self.transport, HubTransport):
-            return
-        if self._first_boundary_time is None:
-            self._first_boundary_time = self.clock()
-            return
-        self._budget_checked = True
-        if warning := pace_warning(self.s, self.clock() - self._first_boundary_time):
-            log.warning("node %s: at this node's pace, %s", self.s.node_id, warning)
 
     def metrics(self, stall: float | None = None) -> dict[str, float]:
         comm = "bytes_uploaded bytes_downloaded total_bytes uploads upload_failures skipped_boundaries poll_failures"

@@ -13,8 +13,13 @@ then sends its last delta as always, so nothing is lost. With `budget: local` (t
 the local step. The estimate assumes every other node made as many steps since its last included delta as
 this one: it is exact for nodes in lock step, and otherwise off by at most the steps some node has made
 that the installed global does not include yet (about one round). It never goes back (the lr never rises):
-after an install that lowers the estimate it holds until the estimate catches up. Prose:
-docs/dumb_diloco.md ("Past the specification", "global budget").
+after an install that lowers the estimate it holds until the estimate catches up.
+
+`dynamic_local_steps` (Async Local-SGD's dynamic local updates, arXiv 2401.09135): a node's round is
+H x pace steps, pace = its local step / the newest local step any node has in the installed global (at
+most 1), so a node at half the others' speed uploads every H/2 of its steps and every node's delta
+arrives at about the same time. The nodes start together, so the ratio of steps is the ratio of speeds.
+Prose: docs/dumb_diloco.md ("Past the specification", "global budget", "dynamic local steps").
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class GlobalProgress:
     included_steps: int = 0  # every node's newest applied local step, summed
     included_own: int = 0  # this node's newest applied local step
     held: float = 0.0  # the run step just before the last install: it never goes back
+    pace: float = 1.0  # this node's speed / the fastest node's, from the last install (dynamic local steps)
 
     def installed(self, included: dict[str, int], local_step: int) -> None:
         """A global was installed after `local_step` steps; `included`: its node -> newest applied local step
@@ -40,6 +46,12 @@ class GlobalProgress:
         self.held = self.step(local_step)
         self.included_steps = sum(max(step, 0) for step in included.values())
         self.included_own = max(included.get(self.node_id, 0), 0)
+        if (fastest := max(included.values(), default=0)) > 0 and local_step > 0:
+            self.pace = min(local_step / fastest, 1.0)
+
+    def round_steps(self, inner_steps: int) -> int:
+        """A round's inner steps under dynamic local updates: H x pace, at least 1."""
+        return max(1, round(inner_steps * self.pace))
 
     def step(self, local_step: int) -> float:
         """The run's step after `local_step` steps of this node."""
@@ -49,8 +61,9 @@ class GlobalProgress:
         return max(estimate, self.held)
 
     def state_dict(self) -> dict:
-        return {"included_steps": self.included_steps, "included_own": self.included_own, "held": self.held}
+        out = {"included_steps": self.included_steps, "included_own": self.included_own, "held": self.held}
+        return out | {"pace": self.pace}
 
     def load_state_dict(self, state: dict) -> None:
         self.included_steps, self.included_own = int(state["included_steps"]), int(state["included_own"])
-        self.held = float(state.get("held", 0.0))
+        self.held, self.pace = float(state.get("held", 0.0)), float(state.get("pace", 1.0))

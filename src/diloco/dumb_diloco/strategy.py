@@ -191,6 +191,10 @@ class DumbDiLoCo(Node):
                 "dumb_diloco/budget": self.s.budget,
                 "dumb_diloco/local_steps": self.local_step,
                 "dumb_diloco/run_step": self.progress(self.local_step),  # this node's estimate at its end
+                "dumb_diloco/pace": self.global_progress.pace,  # its speed / the fastest's (dynamic_local_steps)
+                "dumb_diloco/round_steps": self.global_progress.round_steps(self.s.inner_steps)
+                if self.s.dynamic_local_steps
+                else self.s.inner_steps,
             }
             | self._budget_summary()
             | ({"dumb_diloco/final_left": self.outer.describe_left()} if self.outer is not None else {})
