@@ -10,7 +10,6 @@ Layout, metadata fields and reader checks: docs/dumb_diloco.md#tensor-format-and
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
@@ -25,13 +24,16 @@ import torch
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
+from .repo_paths import GLOBAL_STEP_PATH as GLOBAL_STEP_PATH  # the repository's paths, where they were
+from .repo_paths import GLOBAL_WEIGHTS_PATH as GLOBAL_WEIGHTS_PATH
+from .repo_paths import NODES_DIR as NODES_DIR
+from .repo_paths import delta_path as delta_path
+from .repo_paths import parse_delta_path as parse_delta_path
+from .repo_paths import validate_node_id
+
 FORMAT_VERSION = "1"
 META_FORMAT_VERSION = "format_version"
 META_PAYLOAD_SHA256 = "payload_sha256"
-
-GLOBAL_WEIGHTS_PATH = "global/latest.safetensors"
-GLOBAL_STEP_PATH = "global/step_count.json"
-NODES_DIR = "nodes"
 
 # A header of a few hundred tensors is tens of KiB; a cap stops a hostile length prefix from
 # making a reader allocate gigabytes.
@@ -52,8 +54,6 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _TORCH_DTYPES.items()}
 _INT_FIELDS = ("local_step", "base_outer_step", "tokens_since_baseline", "samples_since_baseline")
 _DELTA_DTYPES = ("float32", "bfloat16", "float16", "float64", "int8", "int4")
 QUANT_DTYPES = ("int8", "int4")  # diloco.quant's blockwise codes: one uint8 payload per tensor
-_NODE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_DELTA_NAME_RE = re.compile(r"^delta_(0|[1-9][0-9]*)\.safetensors$")
 
 
 class InvalidTensorFile(ValueError):
@@ -85,39 +85,6 @@ class SafetensorsHeader:
     @property
     def file_size(self) -> int:
         return self.payload_offset + self.payload_size
-
-
-def validate_node_id(node_id: str) -> str:
-    """Return `node_id` if it is a safe path component, else raise ValueError (one line)."""
-    if not isinstance(node_id, str) or not node_id:
-        raise ValueError("node_id must be a non-empty string")
-    if len(node_id) > 64:
-        raise ValueError(f"node_id is {len(node_id)} characters long; at most 64 are allowed")
-    if ".." in node_id:
-        raise ValueError(f"node_id {node_id!r} contains '..'")
-    if not _NODE_ID_RE.fullmatch(node_id):
-        raise ValueError(
-            f"node_id {node_id!r} is not path-safe: use letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit (no '/', whitespace or control characters)"
-        )
-    return node_id
-
-
-def delta_path(node_id: str, local_step: int) -> str:
-    """`nodes/<node_id>/delta_<local_step>.safetensors`."""
-    validate_node_id(node_id)
-    if isinstance(local_step, bool) or not isinstance(local_step, int) or local_step < 0:
-        raise ValueError(f"local_step must be an int >= 0, got {local_step!r}")
-    return f"{NODES_DIR}/{node_id}/delta_{local_step}.safetensors"
-
-
-def parse_delta_path(path: str) -> tuple[str, int] | None:
-    """(node_id, local_step) for a delta path, None for anything else."""
-    parts = path.split("/")
-    m = _DELTA_NAME_RE.fullmatch(parts[2]) if len(parts) == 3 and parts[0] == NODES_DIR else None
-    with contextlib.suppress(ValueError):
-        return (validate_node_id(parts[1]), int(m.group(1))) if m else None
-    return None
 
 
 def _parse_nonneg_int(meta: dict[str, str], key: str) -> int:
