@@ -439,3 +439,66 @@ def test_delta_paths():
         delta_path("a/b", 1)
     with pytest.raises(ValueError):
         delta_path("a", -1)
+
+
+def _encode_through_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """`encode` before the one-copy version (commit b262b15), verbatim: safetensors serialises, then the
+    canonical header is concatenated with its payload."""
+    prepared: dict[str, torch.Tensor] = {}
+    seen_storages: set[int] = set()
+    for name, tensor in tensors.items():
+        t = tensor.detach().to("cpu").contiguous()
+        ptr = t.untyped_storage().data_ptr() if t.numel() else 0
+        if ptr and ptr in seen_storages:
+            t = t.clone()
+        elif ptr:
+            seen_storages.add(ptr)
+        prepared[name] = t
+    blob = st_save(prepared)
+    (st_header_len,) = struct.unpack("<Q", blob[:8])
+    payload = memoryview(blob)[8 + st_header_len :]
+    header = json.loads(blob[8 : 8 + st_header_len])
+    header.pop("__metadata__", None)
+    header["__metadata__"] = {
+        **metadata,
+        "format_version": tf.FORMAT_VERSION,
+        "payload_sha256": hashlib.sha256(payload).hexdigest(),
+    }
+    return tf.canonical_header(header) + payload
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32]
+_DTYPES += [torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn]
+_SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 4), (4, 1, 3), (33,)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_copy_encode_gives_the_bytes_of_serialising_through_safetensors(seed):
+    """encode lays the tensors' bytes out itself (dtype, then name, as safetensors does) and joins them
+    once: the same bytes as safetensors' serialisation plus a concatenation, for any mix of dtypes,
+    shapes (scalars, empty tensors), names, tied and non-contiguous tensors, and metadata."""
+    g = torch.Generator().manual_seed(seed)
+    pick = lambda seq: seq[int(torch.randint(len(seq), (1,), generator=g))]  # noqa: E731
+    tensors = {}
+    for i in range(int(torch.randint(1, 14, (1,), generator=g))):
+        dtype, shape = pick(_DTYPES), pick(_SHAPES)
+        x = torch.randn(shape, generator=g) * 50
+        name = pick(["w", "layers.1.w", "Z", "a.b", "é", "layers.10.w", "x" * 30]) + f".{i % 5}"
+        tensors[name] = (x > 0) if dtype == torch.bool else x.to(dtype)
+    w = torch.randn(6, 4, generator=g)
+    tensors |= {"tied.a": w, "tied.b": w, "transposed": w.t(), "sliced": w[:, 1]}
+    meta = {f"k{int(torch.randint(100, (1,), generator=g))}": f"v{i} é" for i in range(seed * 3)}
+    blob = encode(tensors, meta)
+    assert blob == _encode_through_safetensors(tensors, meta)
+    assert type(blob) is bytes
+    loaded, got_meta = decode(blob, max_bytes=CAP)
+    assert all(torch.equal(loaded[k], t) for k, t in tensors.items() if t.dtype != torch.float8_e4m3fn)
+    assert {k: v for k, v in got_meta.items() if k in meta} == meta
+
+
+def test_one_copy_encode_refuses_what_safetensors_refuses():
+    with pytest.raises(TypeError, match="metadata must map str to str"):
+        encode({"a": torch.ones(2)}, {"k": 1})  # type: ignore[dict-item]
+    sparse = torch.eye(3).to_sparse()
+    with pytest.raises((ValueError, RuntimeError)):
+        encode({"a": sparse}, {})

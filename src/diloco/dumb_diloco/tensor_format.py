@@ -280,7 +280,8 @@ def read_header_ranges(
 
 def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     """Serialise `tensors` (moved to CPU, made contiguous) with `metadata` plus format_version and
-    payload_sha256 in the header."""
+    payload_sha256 in the header: the bytes safetensors would lay out, under `canonical_header`, copied
+    once (the payload is joined from the tensors' own memory, not serialised and then concatenated)."""
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"metadata must map str to str; {key!r} -> {type(value).__name__}")
@@ -294,17 +295,35 @@ def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
         elif ptr:
             seen_storages.add(ptr)
         prepared[name] = t
-    blob = _st_save(prepared)  # safetensors lays the payload out deterministically (dtype, then name)
-    (st_header_len,) = struct.unpack("<Q", blob[:8])
-    payload = memoryview(blob)[8 + st_header_len :]
-    header = json.loads(blob[8 : 8 + st_header_len])
-    header.pop("__metadata__", None)
+    # safetensors lays the payload out by dtype, then name, whatever the sizes: its own header for
+    # one-element stand-ins gives the order and dtype names (and its errors for a dtype it refuses)
+    header = _st_header(_st_save({k: torch.zeros(1, dtype=t.dtype) for k, t in prepared.items()}))
+    pieces, offset = [], 0
+    for name in sorted(header, key=lambda k: header[k]["data_offsets"]):
+        t = prepared[name]
+        pieces.append(t.reshape(-1).view(torch.uint8).numpy())  # the tensor's bytes, not a copy
+        header[name] |= {"shape": list(t.shape), "data_offsets": [offset, offset + len(pieces[-1])]}
+        offset += len(pieces[-1])
+    if sys.byteorder != "little":  # the payload is little-endian: let safetensors swap the bytes
+        blob = _st_save(prepared)
+        pieces = [memoryview(blob)[8 + struct.unpack("<Q", blob[:8])[0] :]]
+    sha = hashlib.sha256()
+    for piece in pieces:
+        sha.update(piece)
     header["__metadata__"] = {
         **metadata,
         META_FORMAT_VERSION: FORMAT_VERSION,
-        META_PAYLOAD_SHA256: hashlib.sha256(payload).hexdigest(),
+        META_PAYLOAD_SHA256: sha.hexdigest(),
     }
-    return canonical_header(header) + payload
+    return b"".join([canonical_header(header), *pieces])
+
+
+def _st_header(blob: bytes) -> dict:
+    """The tensor entries of the JSON header of a file written by safetensors itself."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    header.pop("__metadata__", None)
+    return header
 
 
 def canonical_header(header: dict) -> bytes:
