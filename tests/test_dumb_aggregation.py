@@ -11,13 +11,13 @@ import types
 
 import pytest
 import torch
-from dumb_helpers import make_loop, put_delta
+from dumb_helpers import Spy, make_loop, put_delta
 
 from diloco.dumb_diloco.aggregation import RunningSum, average
 from diloco.dumb_diloco.master import OuterLoop
 from diloco.dumb_diloco.recovery import MasterState
 from diloco.dumb_diloco.tensor_format import decode, delta_path, encode
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.transport import DirectoryTransport, ReadsInto
 
 pytestmark = pytest.mark.usefixtures("no_network")
 
@@ -141,3 +141,50 @@ def test_decode_views_are_the_loaded_tensors_without_a_copy():
         assert viewed[k].dtype == t.dtype and torch.equal(viewed[k], t), k
     start = ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value
     assert start <= viewed["w"].data_ptr() < start + len(blob)  # inside the file's bytes: no copy
+
+
+class BufferWatch(DirectoryTransport):
+    """The directory store, recording the buffer each `read_into` returns its bytes in."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.buffers: list[int] = []
+
+    def read_into(self, *a, **kw):
+        view = super().read_into(*a, **kw)
+        self.buffers.append(id(view.obj))
+        return view
+
+
+def test_a_round_read_into_one_buffer_equals_a_round_of_plain_reads(tmp_path):
+    """A master over the directory store reads every delta into one buffer (`ReadsInto`), one over a
+    wrapper without it reads each file into fresh bytes: the same acceptances and rejections (a NaN, a
+    lying payload digest, an oversized file), the same weights and momentum bit for bit."""
+    ds = deltas(5, seed=4)
+    ds[1] = {k: t.clone() for k, t in ds[1].items()}
+    ds[1]["b"][3] = float("nan")
+    big = {k: torch.zeros(s) for k, s in SHAPES.items()} | {"pad": torch.zeros(70_000)}
+    loops = []
+    for name, wrap in (("into", lambda t: t), ("read", Spy)):
+        repo = BufferWatch(tmp_path / name / "repo")
+        state = {k: torch.full(s, 0.5) for k, s in SHAPES.items()}
+        loop = make_loop(wrap(repo), state, max_file_bytes=2**18)[0]
+        for i, d in enumerate(ds):
+            put_delta(repo, f"n{i}", 1, d)
+        put_delta(repo, "liar", 1, deltas(1, seed=5)[0])
+        blob = bytearray(repo.read(delta_path("liar", 1)))
+        blob[-1] ^= 1  # a flipped payload bit: the header's SHA-256 no longer matches
+        repo.write({delta_path("liar", 1): bytes(blob)})
+        put_delta(repo, "huge", 1, big)
+        r = loop.run_once()
+        loops.append((loop, repo, r))
+    (a, repo_a, ra), (b, repo_b, rb) = loops
+    assert isinstance(a.transport, ReadsInto) and not isinstance(b.transport, ReadsInto)
+    assert len(repo_a.buffers) == 6 and len(set(repo_a.buffers)) == 1 and repo_b.buffers == []
+    assert a.intake.buffer is None  # not held between polls
+    rows = lambda r: [(e.node_id, e.status, e.reason) for e in r.applied + r.rejected]  # noqa: E731
+    assert rows(ra) == rows(rb) and len(ra.applied) == 4
+    assert {e.node_id for e in ra.rejected} == {"n1", "liar", "huge"}
+    for k in SHAPES:
+        assert torch.equal(a.state.weights[k], b.state.weights[k])
+        assert torch.equal(a.state.momentum[k], b.state.momentum[k])

@@ -21,6 +21,7 @@ from diloco.dumb_diloco.transport import (
     DirectoryTransport,
     FileTooLarge,
     HubTransport,
+    ReadsInto,
     RemoteFile,
     RemoteNotFound,
     RetryPolicy,
@@ -127,6 +128,34 @@ def test_directory_caps_and_headers(repo):
         repo.read_header("junk.safetensors")
     with pytest.raises(RemoteNotFound):
         repo.read_header("nodes/a/delta_2.safetensors")
+
+
+def test_directory_read_into_gives_the_bytes_of_read_in_a_reused_buffer_and_caps_before_reading(repo):
+    big, small = _tensor_file(1000), _tensor_file(10)
+    r1 = repo.write({"nodes/a/delta_1.safetensors": big, "nodes/a/delta_2.safetensors": small})
+    repo.write({"nodes/a/delta_1.safetensors": small})
+    assert isinstance(repo, ReadsInto) and isinstance(repo, Transport)
+    view = repo.read_into("nodes/a/delta_1.safetensors", None, revision=r1, max_bytes=len(big))
+    assert bytes(view) == repo.read("nodes/a/delta_1.safetensors", revision=r1) == big
+    buffer = view.obj
+    assert isinstance(buffer, bytearray) and len(buffer) == len(big)
+    again = repo.read_into("nodes/a/delta_2.safetensors", buffer)  # fits: read into the same buffer
+    assert again.obj is buffer and bytes(again) == repo.read("nodes/a/delta_2.safetensors") == small
+    assert bytes(repo.read_into("nodes/a/delta_1.safetensors", buffer)) == small  # the newest version
+    tiny = bytearray(8)
+    grown = repo.read_into("nodes/a/delta_1.safetensors", tiny, revision=r1)  # too small: a new buffer
+    assert grown.obj is not tiny and bytes(grown) == big and tiny == bytearray(8)
+    before = bytes(buffer)
+    with pytest.raises(FileTooLarge):  # refused from its size: nothing is read into the buffer
+        repo.read_into("nodes/a/delta_1.safetensors", buffer, revision=r1, max_bytes=len(big) - 1)
+    assert bytes(buffer) == before
+    with pytest.raises(RemoteNotFound):
+        repo.read_into("nodes/a/delta_3.safetensors", buffer)
+    stored, _ = repo._lookup("nodes/a/delta_2.safetensors", int(repo.revision()))
+    with open(stored, "ab") as f:  # a file grown behind the log's back: capped by its size on disk too
+        f.write(bytes(100))
+    with pytest.raises(FileTooLarge):
+        repo.read_into("nodes/a/delta_2.safetensors", buffer, max_bytes=len(small) + 99)
 
 
 @pytest.mark.parametrize("bad", BAD_PATHS)

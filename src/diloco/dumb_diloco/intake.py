@@ -18,7 +18,7 @@ import torch
 from .delta_codec import WIRE_DTYPES, to_float32, wire_layout
 from .recovery import Ledger, LedgerEntry
 from .tensor_format import NODES_DIR, DeltaMeta, InvalidTensorFile, decode, parse_delta_path, validate_node_id
-from .transport import FileTooLarge, RemoteNotFound, Transport, TransportError
+from .transport import FileTooLarge, ReadsInto, RemoteNotFound, Transport, TransportError
 
 log = logging.getLogger("diloco.dumb_diloco")
 FINAL_MARKER = (
@@ -94,6 +94,7 @@ class Intake:
         self.all_finished = False  # at the last `unfinished`: every node had written its final marker
         self._marker_cache: dict[tuple[str, str], tuple[int, str] | None] = {}  # (path, version) -> parsed
         self.bytes_downloaded = 0
+        self.buffer: bytearray | None = None  # a store that `ReadsInto`: one file buffer, reused (`download`)
 
     def list(self, revision: str) -> list:
         """The delta files to consider. Files refused from their path alone (past the spec: a node outside
@@ -170,7 +171,8 @@ class Intake:
     def download(self, c: Candidate, revision: str) -> dict[str, torch.Tensor] | str | None:
         """The delta's tensors, a rejection reason (str), or None (transient failure: retried next poll).
         float32: read-only views of the downloaded bytes (one copy of the file in memory, none made by
-        loading); int8/int4: one dequantized float32 copy. Read them, add them into a sum, drop them."""
+        loading; from a store that `ReadsInto`, in `self.buffer`, which the next download overwrites);
+        int8/int4: one dequantized float32 copy. Read them, add them into a sum, drop them."""
         if c.reason:
             return c.reason
         assert c.meta is not None
@@ -180,7 +182,11 @@ class Intake:
         if c.meta.dtype not in WIRE_DTYPES:
             return f"delta dtype is {c.meta.dtype}, expected {', '.join(WIRE_DTYPES)}"
         try:
-            blob = self.transport.read(c.path, revision, max_bytes=self.max_file_bytes)
+            if isinstance(self.transport, ReadsInto):  # no fresh buffer (and its page faults) per file
+                blob = self.transport.read_into(c.path, self.buffer, revision, max_bytes=self.max_file_bytes)
+                self.buffer = blob.obj  # type: ignore[assignment]
+            else:
+                blob = self.transport.read(c.path, revision, max_bytes=self.max_file_bytes)
         except FileTooLarge as err:
             return f"{err} (max_file_bytes)"
         except RemoteNotFound:

@@ -130,9 +130,8 @@ class OuterLoop:
         revision = self.transport.revision()
         listed = self.intake.list(revision)  # 1
         live = {(f.path, getattr(f, "version", "")) for f in listed}
-        self.intake.headers = {
-            k: c for k, c in self.intake.headers.items() if k in live
-        }  # forget deleted/replaced files
+        # forget deleted/replaced files
+        self.intake.headers = {k: c for k, c in self.intake.headers.items() if k in live}
         candidates = [
             c for f in listed if (c := self.intake.candidate(f, revision)) is not None
         ]  # 2 (headers)
@@ -167,6 +166,7 @@ class OuterLoop:
                 log.warning("master: rejected delta %s: %s", c.path, why)
             elif why is not None:
                 seen[c.sha256] = f"{c.node_id}@{c.local_step}"
+        self.intake.buffer = None  # the poll's file buffer: no model-sized bytes held between polls
         valid = self._take_round(flush, revision)
         with self.lock:
             for entry in result.rejected:

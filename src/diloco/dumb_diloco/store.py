@@ -97,6 +97,18 @@ class Transport(Protocol):
         ...
 
 
+@runtime_checkable
+class ReadsInto(Protocol):
+    """A store that can also read a file into the caller's buffer (`DirectoryTransport.read_into`)."""
+
+    def read_into(
+        self, path: str, buffer: bytearray | None, revision: str | None = None, max_bytes: int | None = None
+    ) -> memoryview:
+        """The file's bytes in `buffer`, or in a new bytearray (the view's `.obj`) if they do not fit;
+        FileTooLarge above `max_bytes` (before reading), RemoteNotFound if absent."""
+        ...
+
+
 _CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
 
 

@@ -15,6 +15,7 @@ from .hub import HUB_REPO_ID_RE, HubTransport, RetryPolicy, deadline, time_left
 from .store import (
     FileTooLarge,
     PermanentError,
+    ReadsInto,
     RemoteFile,
     RemoteNotFound,
     RevisionConflict,
@@ -29,6 +30,7 @@ __all__ = [
     "FileTooLarge",
     "HubTransport",
     "PermanentError",
+    "ReadsInto",
     "RemoteFile",
     "RemoteNotFound",
     "RetryPolicy",
