@@ -16,7 +16,7 @@ from dumb_helpers import Spy, make_loop, put_delta
 from diloco.dumb_diloco.aggregation import RunningSum, average
 from diloco.dumb_diloco.master import OuterLoop
 from diloco.dumb_diloco.recovery import MasterState
-from diloco.dumb_diloco.tensor_format import decode, delta_path, encode
+from diloco.dumb_diloco.tensor_format import InvalidTensorFile, decode, delta_path, encode
 from diloco.dumb_diloco.transport import DirectoryTransport, ReadsInto
 
 pytestmark = pytest.mark.usefixtures("no_network")
@@ -188,3 +188,50 @@ def test_a_round_read_into_one_buffer_equals_a_round_of_plain_reads(tmp_path):
     for k in SHAPES:
         assert torch.equal(a.state.weights[k], b.state.weights[k])
         assert torch.equal(a.state.momentum[k], b.state.momentum[k])
+
+
+def test_running_sum_of_file_views_adds_each_delta_in_one_operation_bit_for_bit():
+    """Deltas decoded in place (`decode(views=True)`: views of one float32 tensor over the payload) are
+    summed as one buffer; equal weights give `average` bit for bit, staleness weights the sum tensor by
+    tensor to round-off (alpha * x may be fused into the add in one and not the other), and a delta of
+    separate tensors (a dequantized one) mixes in tensor by tensor."""
+    ds = deltas(6, seed=6)
+    views = []
+    for d in ds:
+        blob = encode(d | {"z.empty": torch.zeros(0, 3)}, {})
+        v, _ = decode(blob, max_bytes=len(blob), views=True)
+        assert len({t.untyped_storage().data_ptr() for t in v.values()}) == 1  # one tensor over the payload
+        views.append({k: v[k] for k in SHAPES})
+    acc = RunningSum()
+    for i, v in enumerate(views):
+        acc.add(v if i != 3 else ds[3])  # the 4th: separate tensors, added tensor by tensor
+        assert acc._flat is not None
+    got, want = acc.mean(), average(ds)
+    assert all(torch.equal(got[k], want[k]) for k in SHAPES)
+    assert acc._flat is None and acc.total == {}
+    raw, by_tensor = [1.0, 1 / 3, 0.5, 1.0, 1 / 4, 1 / 2], RunningSum()
+    for v, d, w in zip(views, ds, raw):
+        acc.add(v, w)
+        by_tensor.add(d, w)
+    got, want = acc.mean(), by_tensor.mean()
+    for k in SHAPES:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
+    first = RunningSum()
+    first.add(ds[0])  # a first delta of separate tensors: every later one is added tensor by tensor
+    for v in views[1:]:
+        first.add(v)
+    assert first._flat is None
+    got = first.mean()
+    assert all(torch.equal(got[k], average(ds)[k]) for k in SHAPES)
+
+
+def test_decode_checks_an_all_float32_payload_in_one_pass_and_still_names_the_bad_tensor():
+    big = torch.full((4,), 3e38)  # finite values whose sum overflows: settled element by element
+    blob = encode({"a": big, "b": torch.ones(3)}, {})
+    assert torch.equal(decode(blob, max_bytes=len(blob), views=True)[0]["a"], big)
+    for bad in (float("nan"), float("inf")):
+        b = torch.ones(3)
+        b[1] = bad
+        blob = encode({"a": big, "b": b, "c": torch.ones(2)}, {})
+        with pytest.raises(InvalidTensorFile, match="tensor 'b' holds NaN or Inf"):
+            decode(blob, max_bytes=len(blob), views=True)
