@@ -20,7 +20,7 @@ class RunningSum:
         self.total: dict[str, torch.Tensor] = {}
         self.weight = 0.0  # sum of the raw weights (the number of deltas when they are all 1)
         self.count = 0
-        self._flat: tuple[torch.Tensor, tuple] | None = None  # `total` as one tensor, and its layout
+        self._flat: tuple[torch.Tensor, dict] | None = None  # `total` as one tensor, and its layout
 
     def add(self, delta: dict[str, torch.Tensor], weight: float = 1.0) -> None:
         """Add `weight` * `delta`; `delta` is only read (it may be a view of a file's bytes). A delta whose
@@ -56,8 +56,8 @@ class RunningSum:
 
 
 def _flat(delta: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, tuple]] | None:
-    """`delta` as one float32 tensor and each name's (begin, end, shape) in it, when its tensors are contiguous
-    float32 views of one storage that follow each other without a gap; else None."""
+    """`delta` as one float32 tensor and each name's (begin, end, shape) in it, when its tensors are
+    contiguous float32 views of one storage that follow each other without a gap; else None."""
     items = sorted(delta.items(), key=lambda kv: kv[1].storage_offset())
     if not items or any(t.dtype != torch.float32 or not t.is_contiguous() for _, t in items):
         return None

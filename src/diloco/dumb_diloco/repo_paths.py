@@ -1,4 +1,4 @@
-"""Where DumbDiLoCo's files live in a repository: the global's paths and nodes/<node_id>/delta_<n>.safetensors.
+"""Where DumbDiLoCo's files live in a repository: the global's paths, nodes/<node_id>/delta_<n>.safetensors.
 
 Invariants: a node id is one path-safe component (no '/', '..', whitespace or control characters), so a
 delta's path never leaves nodes/<node_id>/; `parse_delta_path` is None for anything else.
