@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dumb_helpers import Spy, make_loop, publish, settings
+from dumb_helpers import FakeClock, Spy, make_loop, publish, settings
 
 from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.transport import DirectoryTransport
@@ -47,7 +47,7 @@ def flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def nodes_and_master(tmp_path, n: int, lr: float, mu: float, transport=None, **kw):
+def nodes_and_master(tmp_path, n: int, lr: float, mu: float, transport=None, node_kw=None, **kw):
     repo = DirectoryTransport(tmp_path / "repo")
     publish(repo, Net().state_dict(), 0)
     loop, _ = make_loop(repo, Net().state_dict(), lr=lr, momentum=mu, min_deltas_per_round=n)
@@ -56,7 +56,7 @@ def nodes_and_master(tmp_path, n: int, lr: float, mu: float, transport=None, **k
         model = Net()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         s = settings(tmp_path / "repo", node_id=f"w{i}", inner_steps=H, reset_inner_optimizer=False, **kw)
-        node = DumbDiLoCo(model, s, transport or repo, optimizer=opt)
+        node = DumbDiLoCo(model, s, transport or repo, optimizer=opt, **(node_kw or {}))
         node.start()
         nodes.append((node, model, opt))
     return loop, nodes
@@ -76,10 +76,17 @@ def test_translate_with_zero_install_delay_is_synchronous_diloco(tmp_path, insta
                 node.stage(loop.snapshot())
                 assert node._install_staged()
 
-    # synchronous DiLoCo by hand: the same workers, the mean pseudo-gradient, torch's SGD with Nesterov
+    for _, model, _ in nodes:
+        torch.testing.assert_close(
+            flat(model), synchronous_diloco(len(nodes), lr, mu, rounds), rtol=1e-5, atol=1e-6
+        )
+
+
+def synchronous_diloco(n: int, lr: float, mu: float, rounds: int) -> torch.Tensor:
+    """Synchronous DiLoCo by hand: the same workers, the mean pseudo-gradient, torch's SGD with Nesterov."""
     global_ = [p.detach().clone() for p in Net().parameters()]
     outer = torch.optim.SGD(global_, lr=lr, momentum=mu, nesterov=True)
-    workers = [Net() for _ in nodes]
+    workers = [Net() for _ in range(n)]
     opts = [torch.optim.AdamW(w.parameters(), lr=1e-2) for w in workers]
     for step in range(1, rounds * H + 1):
         for i, (w, o) in enumerate(zip(workers, opts)):
@@ -92,9 +99,56 @@ def test_translate_with_zero_install_delay_is_synchronous_diloco(tmp_path, insta
                 for w in workers:
                     for p, g in zip(w.parameters(), global_):
                         p.copy_(g)
-    want = torch.cat([g.reshape(-1) for g in global_])
+    return torch.cat([g.reshape(-1) for g in global_])
+
+
+def test_nodes_that_wait_for_their_round_make_synchronous_diloco(tmp_path):
+    """install_wait_seconds: at its boundary each node waits for the global that includes its delta, while
+    the world moves (the other node reaches its boundary, the master runs its rounds); no install is driven
+    by hand, and the run is synchronous DiLoCo to float32 round-off."""
+    lr, mu, rounds, clock, later = 0.7, 0.9, 4, FakeClock(), []
+
+    def world(seconds: float) -> None:  # a node's sleep while it waits
+        clock.advance(seconds)
+        while later:
+            later.pop(0)()
+        loop.run_once()
+
+    kw = dict(install="translate", install_when_staged=True, install_wait_seconds=30.0)
+    loop, nodes = nodes_and_master(tmp_path, 2, lr, mu, node_kw=dict(clock=clock, sleep=world), **kw)
+    for step in range(1, rounds * H + 1):
+        for i, (_, model, opt) in enumerate(nodes):
+            inner_step(model, opt, i, step)
+        later.append(lambda step=step: nodes[1][0].on_step(step))  # while node 0 waits, else right after
+        waited = clock()
+        nodes[0][0].on_step(step)
+        if later:
+            later.pop()()
+        assert (clock() > waited) == (step % H == 0)  # a node waits at its boundaries only
+        assert [node.installed_outer_step for node, _, _ in nodes] == [step // H] * 2  # its own round's
     for _, model, _ in nodes:
-        torch.testing.assert_close(flat(model), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(flat(model), synchronous_diloco(2, lr, mu, rounds), rtol=1e-5, atol=1e-6)
+
+
+def test_the_wait_is_bounded_and_a_node_alone_trains_on(tmp_path):
+    clock, naps = FakeClock(), []
+
+    def sleep(seconds: float) -> None:
+        naps.append(seconds)
+        clock.advance(seconds)
+        loop.run_once()  # quorum 2: never a round, the other node never comes
+
+    kw = dict(install="translate", install_when_staged=True, install_wait_seconds=2.0)
+    loop, nodes = nodes_and_master(tmp_path, 2, 0.7, 0.9, node_kw=dict(clock=clock, sleep=sleep), **kw)
+    node, model, opt = nodes[0]
+    for step in range(1, H + 1):
+        inner_step(model, opt, 0, step)
+        node.on_step(step)
+    assert 2.0 <= sum(naps) < 2.0 + 0.1 and node.installed_outer_step == 0 and node.uploads == 1
+    for step in range(H + 1, H + 3):  # it trains on; no wait between boundaries
+        inner_step(model, opt, 0, step)
+        node.on_step(step)
+    assert sum(naps) < 2.1
 
 
 @pytest.mark.parametrize("install", ["translate", "replace"])

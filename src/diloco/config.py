@@ -319,14 +319,13 @@ def check_dumb_diloco(d: Any) -> None:
     _number(d, "outer_lr", p, 0)
     _number(d, "outer_momentum", p, 0, strict=False, hi=1)
     _number(d, "startup_timeout", p, 0)
-    _number(d, "shutdown_timeout", p, 0, strict=False)
-    _number(d, "drain_timeout", p, 0, strict=False)
+    for key in ("shutdown_timeout", "drain_timeout", "lease_seconds", "expected_step_seconds",
+                "install_wait_seconds"):  # fmt: skip
+        _number(d, key, p, 0, strict=False)
     _number(d, "request_timeout", p, 0)
     _number(d, "min_deltas_per_round", p, 0, strict=False, integer=True)
     _number(d, "delayed_nesterov_period", p, 1, strict=False, integer=True)
     _number(d, "keep_deltas", p, 0, strict=False, integer=True)
-    _number(d, "lease_seconds", p, 0, strict=False)
-    _number(d, "expected_step_seconds", p, 0, strict=False)
     _number(d, "timeout_seconds", p, 0)
     _one_of(d, "install", p, ("replace", "translate"))
     _one_of(d, "budget", p, ("local", "global"))

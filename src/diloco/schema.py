@@ -232,6 +232,9 @@ class DumbDiLoCoConfig:
     expected_step_seconds: float = 0
     install: str = "replace"  # replace (the spec: the global's weights) | translate (keep own progress)
     install_when_staged: bool = False  # translate only: install as soon as a global is staged, mid-round
+    # at a boundary, wait at most this long for the global that includes the delta just uploaded (bounded
+    # staleness: a node ahead of the others does not train on without it); 0 = never wait (the spec)
+    install_wait_seconds: float = 0.0
     # local (the spec): every node trains train.max_steps steps; global: the nodes share num_shards x max_steps
     # node-steps (synchronous DiLoCo's tokens) and the lr follows the run's step (dumb_diloco/progress.py)
     budget: str = "local"

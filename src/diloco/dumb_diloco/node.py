@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,10 @@ import torch
 
 from diloco.model import weights_sha256
 
-from .aggregation import pseudo_gradient
 from .budget import PaceCheck
 from .delta_codec import DeltaCodec
 from .install import translate
+from .lanes import DeltaJob, OwnCopy
 from .master import OuterLoop
 from .progress import GlobalProgress
 from .recovery import GlobalSnapshot, MasterState, delta_layout, state_layout
@@ -41,56 +41,6 @@ from .tensor_format import DeltaMeta, InvalidTensorFile, delta_path, parse_heade
 from .transport import HubTransport, PermanentError, RemoteNotFound, Transport
 
 log = logging.getLogger("diloco.dumb_diloco")
-
-
-class _Inline:
-    """`async_*: false` (v1): a lane whose job runs on the training thread, at once (hand-written:
-    concurrent.futures has no inline executor; this keeps one code path for v1 and v2)."""
-
-    def submit(self, fn: Callable, *args) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args))
-        except Exception as err:  # reported like a background job's failure
-            future.set_exception(err)
-        return future
-
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
-        pass
-
-
-class _Snapshot(dict):
-    """Model-dtype CPU copies that this node allocated (reusable once no baseline or job refers to
-    them; reuse measured: scripts/bench_boundary.py); an installed global's tensors are never reused."""
-
-
-@dataclass
-class DeltaJob:
-    """One upload: the training thread's one copy (`snapshot`, the new baseline) and the old baseline;
-    `materialize` computes float32(base) - float32(snapshot) (+ carry) on the upload lane."""
-
-    local_step: int
-    path: str
-    meta: DeltaMeta
-    steps: int  # optimizer steps the delta covers
-    base: dict[str, torch.Tensor] | None = None
-    snapshot: dict[str, torch.Tensor] | None = None
-    carry: dict[str, torch.Tensor] | None = None  # a failed upload's delta, added to this one
-    delta: dict[str, torch.Tensor] | None = None  # float32 pseudo-gradient, owned by the job
-    seconds: float = 0.0
-    residual: dict[str, torch.Tensor] | None = None  # int8/int4: the codec's residual once this is uploaded
-    encoded: threading.Event = field(default_factory=threading.Event)  # set once the file is encoded
-
-    def materialize(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
-        """The delta, and the base's buffers when they are free for reuse. Idempotent."""
-        if self.delta is not None:
-            return self.delta, None
-        delta = pseudo_gradient(self.base, self.snapshot)
-        for k, t in (self.carry or {}).items():
-            delta[k].add_(t)
-        free = self.base if isinstance(self.base, _Snapshot) else None
-        self.delta, self.base, self.snapshot, self.carry = delta, None, None, None
-        return delta, free
 
 
 @dataclass
@@ -147,18 +97,18 @@ class Node:
         self.max_file_bytes = settings.max_file_bytes or 2 * size + 16 * 2**20
         self.state_dir = Path(settings.state_dir).expanduser() / settings.node_id
         self.started = self.closed = False
-        self._baseline: dict[str, torch.Tensor] = {}  # model-dtype CPU copies (see _Snapshot)
+        self._baseline: dict[str, torch.Tensor] = {}  # model-dtype CPU copies (see OwnCopy)
         self._carry: DeltaJob | None = None  # a failed upload: its delta goes into the next one
         # free snapshot buffers (a baseline the upload lane subtracted, or one an install replaced); taken
         # only at a capture, which needs an idle upload lane, so no job still reads them (at most 2)
-        self._free: list[_Snapshot] = []
+        self._free: list[OwnCopy] = []
         self._steps_since_capture = 0
         self._staged: GlobalSnapshot | None = None
         self._stage_lock = threading.Lock()
         self.reader = GlobalReader(self._global_layout, self.max_file_bytes, self._downloaded)
         self._last_poll = -math.inf
         self.local_step = 0  # the last step the trainer reported
-        self._lanes: dict[str, Any] = {}  # "upload", "poll": a one-thread executor or _Inline
+        self._lanes: dict[str, Any] = {}  # "upload", "poll": a one-thread executor or InlineLane
         self._upload: tuple[DeltaJob, Future] | None = None
         self._polling: Future | None = None
         self.outer: OuterLoop | None = None
@@ -208,6 +158,8 @@ class Node:
             self._last_poll = self.clock()
             self._poll()  # 5
         self._collect_lanes()  # inline lanes (v1) are done already
+        if captured and self.s.install_wait_seconds > 0:
+            self._await_inclusion(local_step)
         when_staged = self.translating and self.s.install_when_staged  # mid-round: no progress is lost
         installed = (captured or when_staged) and self._install_staged()  # 6
         stall = time.perf_counter() - t0
@@ -237,7 +189,7 @@ class Node:
         state = self.model.state_dict()
         snapshot = self._free.pop() if self._free and not self.translating else None
         if snapshot is None:
-            snapshot = _Snapshot({k: torch.empty_like(state[k], device="cpu") for k in self.delta_keys})
+            snapshot = OwnCopy({k: torch.empty_like(state[k], device="cpu") for k in self.delta_keys})
         src, dst = [state[k].detach() for k in self.delta_keys], [snapshot[k] for k in self.delta_keys]
         if all(t.device.type == "cpu" for t in src):
             torch._foreach_copy_(dst, src)  # one fused call
@@ -301,6 +253,20 @@ class Node:
             f"node {self.s.node_id}: upload of {job.path} failed ({_describe(err)}); its progress goes "
             "into the next delta"
         )
+
+    def _await_inclusion(self, local_step: int) -> None:
+        """Past the spec (`install_wait_seconds`): wait at most that long for a global that includes the delta
+        captured at `local_step`, so that a node ahead of the others does not train on without it (bounded
+        staleness; nodes in time make synchronous DiLoCo's round). A failed upload ends the wait."""
+        deadline = self.clock() + self.s.install_wait_seconds
+        while self._carry is None and self.clock() < deadline:
+            if (staged := self._staged) is not None and staged.included.get(self.s.node_id, -1) >= local_step:
+                return
+            self.sleep(min(0.05, self.s.poll_interval))
+            if self.clock() - self._last_poll >= self.s.poll_interval:
+                self._last_poll = self.clock()
+                self._poll()
+            self._collect_lanes()
 
     def _poll(self) -> bool:
         """Step 5 (False if a poll is still in flight). The master's globals come from its own outer
@@ -393,7 +359,7 @@ class Node:
             with torch.no_grad():
                 for k, t in self.model.state_dict().items():
                     t.copy_(snapshot.state[k])
-            if isinstance(self._baseline, _Snapshot) and not self.translating:  # no job reads it
+            if isinstance(self._baseline, OwnCopy) and not self.translating:  # no job reads it
                 self._free.append(self._baseline)
             self._baseline = {k: snapshot.state[k] for k in self.delta_keys}  # the snapshot is never mutated
             self.reference, self.pending_snapshots = dict(self._baseline), {}

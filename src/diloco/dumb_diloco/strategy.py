@@ -19,7 +19,8 @@ from contextlib import nullcontext
 import torch
 
 from .ending import announce, await_final_status, send_final, wait_upload
-from .node import _COUNTERS, DeltaJob, Node, _Inline
+from .lanes import DeltaJob, InlineLane
+from .node import _COUNTERS, Node
 from .recovery import MasterState, delta_layout
 from .settings import Settings
 from .startup import await_quorum, connect, start_master
@@ -165,7 +166,9 @@ class DumbDiLoCo(Node):
             elif not self._install_staged():
                 raise self.s.error("the global model cannot be installed into this model")
         for lane, on in (("upload", s.async_delta_upload), ("poll", s.async_global_poll and not s.is_master)):
-            self._lanes[lane] = ThreadPoolExecutor(1, f"dumb-diloco-{lane}-{s.node_id}") if on else _Inline()
+            self._lanes[lane] = (
+                ThreadPoolExecutor(1, f"dumb-diloco-{lane}-{s.node_id}") if on else InlineLane()
+            )
         self._last_poll = self.clock()
         self.started = True
         upload, poll = ("async" if on else "sync" for on in (s.async_delta_upload, s.async_global_poll))
