@@ -76,11 +76,13 @@ def test_the_run_step_by_hand():
 def test_the_pace_and_a_round_by_hand():
     progress = GlobalProgress("a", num_nodes=3, global_budget=True)
     assert (progress.pace, progress.round_steps(25)) == (1.0, 25)  # nothing installed yet: H
-    progress.installed({"a": -1, "b": -1}, 5)  # nothing applied yet: no measure
+    progress.installed({"a": 10, "b": 50}, 24, {}, 2000)  # no node's time in the global: no measure
     assert progress.pace == 1.0
-    progress.installed({"a": 10, "b": 50, "c": 40}, 24)  # at step 24 of "a", "b" has 50 in the global
-    assert (progress.pace, progress.round_steps(25), progress.round_steps(1)) == (24 / 50, 12, 1)
-    progress.installed({"a": 30, "b": 50, "c": 40}, 60)  # ahead of every node: at most 1
+    progress.installed({"a": 10, "b": 50}, 24, {"b": 1000, "c": 0}, 0)  # this node's own time unknown
+    assert progress.pace == 1.0
+    progress.installed({"a": 10, "b": 50}, 24, {"a": 2100, "b": 1000, "c": 1250}, 2000)  # "b": the fastest
+    assert (progress.pace, progress.round_steps(25), progress.round_steps(1)) == (0.5, 12, 1)
+    progress.installed({"a": 30, "b": 50}, 60, {"a": 2000, "b": 1000}, 900)  # faster than every node: 1
     assert (progress.pace, progress.round_steps(25)) == (1.0, 25)
     restored = GlobalProgress("a", num_nodes=3, global_budget=True)
     restored.load_state_dict(progress.state_dict() | {"pace": 0.5})

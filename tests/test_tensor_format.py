@@ -412,6 +412,8 @@ def test_delta_meta_round_trip_through_a_file():
         ({"dtype": "int8"}, "'quant_block_size' is missing"),  # int8 is a delta dtype since issue 13
         ({"created_at": "yesterday"}, "bad delta metadata"),
         ({"format_version": "2"}, "bad delta metadata"),
+        ({"step_micros": "-3"}, "non-negative integer"),  # optional (dynamic local steps), checked if there
+        ({"step_micros": "fast"}, "non-negative integer"),
     ],
 )
 def test_delta_meta_from_bad_header(change, match):
@@ -423,6 +425,24 @@ def test_delta_meta_from_bad_header(change, match):
             header[k] = v
     with pytest.raises(InvalidTensorFile, match=match):
         DeltaMeta.from_header(header)
+
+
+def test_a_nodes_time_per_step_travels_only_when_it_is_known():
+    """`step_micros` (dynamic local steps): written when set, absent (the header as before) when 0; read back;
+    a step_count.json map keeps only int values (a hostile entry is dropped, not fatal)."""
+    from diloco.dumb_diloco.startup import _int_map
+
+    plain = DeltaMeta(node_id="w", local_step=1, base_outer_step=0)
+    assert "step_micros" not in plain.to_header()
+    assert DeltaMeta.from_header(plain.to_header()).step_micros == 0
+    timed = DeltaMeta(node_id="w", local_step=1, base_outer_step=0, step_micros=31_250)
+    assert timed.to_header()["step_micros"] == "31250"
+    assert DeltaMeta.from_header(timed.to_header()) == timed
+    assert {k: v for k, v in timed.to_header().items() if k != "step_micros"} == plain.to_header() | {
+        "created_at": timed.created_at
+    }
+    hostile = {"a": 1200, "b": "1200", "c": True, "d": None, 5: 7}
+    assert _int_map(hostile) == {"a": 1200, "5": 7} and _int_map([1, 2]) == {} and _int_map(None) == {}
 
 
 def test_delta_paths():

@@ -72,9 +72,9 @@ class Candidate:
         return (self.node_id, self.local_step, self.sha256)
 
     def entry(self, status: str, outer_step: int, reason: str = "", staleness: int = -1) -> LedgerEntry:
-        base = self.meta.base_outer_step if self.meta else -1
+        base, micros = (self.meta.base_outer_step, self.meta.step_micros) if self.meta else (-1, 0)
         return LedgerEntry(
-            self.node_id, self.local_step, self.sha256, status, outer_step, base, reason, staleness
+            self.node_id, self.local_step, self.sha256, status, outer_step, base, reason, staleness, micros
         )
 
 

@@ -130,8 +130,7 @@ class OuterLoop:
         revision = self.transport.revision()
         listed = self.intake.list(revision)  # 1
         live = {(f.path, getattr(f, "version", "")) for f in listed}
-        # forget deleted/replaced files
-        self.intake.headers = {k: c for k, c in self.intake.headers.items() if k in live}
+        self.intake.headers = {k: c for k, c in self.intake.headers.items() if k in live}  # forget gone files
         candidates = [
             c for f in listed if (c := self.intake.candidate(f, revision)) is not None
         ]  # 2 (headers)
@@ -380,8 +379,9 @@ class OuterLoop:
 
     def snapshot(self) -> GlobalSnapshot:
         with self.lock:
-            state, included = self.state.published(), dict(self.state.ledger.included)
-            return GlobalSnapshot(self.state.outer_step, state, "master", self.last_num_peers, included)
+            state, ledger = self.state.published(), self.state.ledger
+            args = (self.last_num_peers, dict(ledger.included), dict(ledger.step_micros))
+            return GlobalSnapshot(self.state.outer_step, state, "master", *args)
 
     # ---- the daemon thread
 

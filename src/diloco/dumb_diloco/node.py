@@ -122,6 +122,7 @@ class Node:
         self.last_uploaded: tuple[int, str] | None = None  # (local step, payload SHA-256) of the last delta
         self.final_status = ""  # after finish: what became of this node's final delta
         self.last_upload_seconds = self.max_boundary_stall = 0.0
+        self.busy_seconds, self.busy_steps, self._left = 0.0, 0, None  # the trainer's time between steps
 
     # ---------------------------------------------------------------- the seven steps
 
@@ -133,7 +134,9 @@ class Node:
             )
         if self.outer is not None and self.outer.dead:  # a dead outer loop fails the master's run
             raise self.s.error(f"the outer loop stopped: {self.outer.dead}")
-        t0 = time.perf_counter()
+        t0, now = time.perf_counter(), self.clock()
+        if self._left is not None:  # the trainer's time for this step, without this node's stalls
+            self.busy_seconds, self.busy_steps = self.busy_seconds + now - self._left, self.busy_steps + 1
         self.local_step = local_step  # 2
         self._steps_since_capture += 1
         self._collect_lanes()
@@ -173,7 +176,13 @@ class Node:
             ):
                 log.warning("node %s: at this node's pace, %s", self.s.node_id, warn)
             result.metrics = self.metrics(stall)
+        self._left = self.clock()
         return result
+
+    @property
+    def step_micros(self) -> int:
+        """This node's busy microseconds per step so far (0 before its second step)."""
+        return round(1e6 * self.busy_seconds / self.busy_steps) if self.busy_steps else 0
 
     @property
     def uploading(self) -> bool:
@@ -207,6 +216,7 @@ class Node:
             max(base_outer_step, 0),
             steps * self.tokens_per_step,
             steps * self.samples_per_step,
+            step_micros=self.step_micros if self.s.dynamic_local_steps else 0,  # for the others' paces
         )
         path, delta = delta_path(self.s.node_id, local_step), carry.delta if carry is not None else None
         if self.translating:
@@ -366,7 +376,9 @@ class Node:
             self.included_step = snapshot.included.get(self.s.node_id, -1)
             self._steps_since_capture = 0
         self.installed_outer_step, self.num_peers = snapshot.outer_step, snapshot.num_peers
-        self.global_progress.installed(snapshot.included, self.local_step)
+        self.global_progress.installed(
+            snapshot.included, self.local_step, snapshot.step_micros, self.step_micros
+        )
         self.installs += 1
         log.info("node %s: installed global outer step %d", self.s.node_id, snapshot.outer_step)
         return True

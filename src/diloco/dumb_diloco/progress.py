@@ -16,9 +16,11 @@ that the installed global does not include yet (about one round). It never goes 
 after an install that lowers the estimate it holds until the estimate catches up.
 
 `dynamic_local_steps` (Async Local-SGD's dynamic local updates, arXiv 2401.09135): a node's round is
-H x pace steps, pace = its local step / the newest local step any node has in the installed global (at
-most 1), so a node at half the others' speed uploads every H/2 of its steps and every node's delta
-arrives at about the same time. The nodes start together, so the ratio of steps is the ratio of speeds.
+H x pace steps, pace = the fastest node's busy seconds per step / this node's (at most 1), so a node at half
+the others' speed uploads every H/2 of its steps and every node's delta arrives at about the same time.
+Each node measures its own (the trainer's time between steps, without its waits and stalls) and sends it
+with its deltas; the master publishes every node's latest with each global (`step_micros`). A time, not a
+count of steps: with `install_wait_seconds` every node makes the same steps per round, whatever its speed.
 Prose: docs/dumb_diloco.md ("Past the specification", "global budget", "dynamic local steps").
 """
 
@@ -39,15 +41,17 @@ class GlobalProgress:
     held: float = 0.0  # the run step just before the last install: it never goes back
     pace: float = 1.0  # this node's speed / the fastest node's, from the last install (dynamic local steps)
 
-    def installed(self, included: dict[str, int], local_step: int) -> None:
+    def installed(
+        self, included: dict[str, int], local_step: int, step_micros: dict | None = None, own_micros: int = 0
+    ) -> None:
         """A global was installed after `local_step` steps; `included`: its node -> newest applied local step
         (-1: none). An install that lowers the estimate (a fast node learning that a slow one is further
         behind than it assumed) holds the run step, and the lr, until the estimate catches up."""
         self.held = self.step(local_step)
         self.included_steps = sum(max(step, 0) for step in included.values())
         self.included_own = max(included.get(self.node_id, 0), 0)
-        if (fastest := max(included.values(), default=0)) > 0 and local_step > 0:
-            self.pace = min(local_step / fastest, 1.0)
+        if own_micros > 0 and (known := [m for m in (step_micros or {}).values() if m > 0]):
+            self.pace = min(min(known) / own_micros, 1.0)  # the fastest node's time per step / this node's
 
     def round_steps(self, inner_steps: int) -> int:
         """A round's inner steps under dynamic local updates: H x pace, at least 1."""

@@ -38,6 +38,8 @@ def global_files(
     step_info = common | {"format_version": "1"} | {k: v for k, v in outer.items() if v is not None}
     step_info["deltas"] = [{k: getattr(e, k) for k in keys} for e in applied]
     step_info["included"] = dict(sorted(state.ledger.included.items()))  # node -> newest applied local step
+    if state.ledger.step_micros:  # node -> busy microseconds per step (dynamic local steps)
+        step_info["step_micros"] = dict(sorted(state.ledger.step_micros.items()))
     files = {GLOBAL_WEIGHTS_PATH: blob, GLOBAL_STEP_PATH: json.dumps(step_info, indent=1).encode()}
     if publish_state:
         files[GLOBAL_LEDGER_PATH] = ledger_blob(common, state.ledger.to_json())

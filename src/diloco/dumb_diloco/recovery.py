@@ -85,6 +85,9 @@ class GlobalSnapshot:
     source: str = "repo"  # "repo" (downloaded) or "master" (this process's outer loop)
     num_peers: int = 0  # distinct nodes whose deltas made this version's round
     included: dict[str, int] = field(default_factory=dict)  # node -> newest local step of its applied deltas
+    step_micros: dict[str, int] = field(
+        default_factory=dict
+    )  # node -> its busy microseconds per step, if sent
 
 
 # --------------------------------------------------------------------------- ledger
@@ -105,6 +108,7 @@ class LedgerEntry:
     reason: str = ""
     # outer steps the master had taken since the delta's base when it applied (or rejected) it; -1: unknown
     staleness: int = -1
+    step_micros: int = 0  # the node's busy microseconds per step, from the delta's header (0: not sent)
 
     @property
     def identity(self) -> tuple[str, int, str]:
@@ -118,6 +122,7 @@ class Ledger:
         self._entries: dict[tuple[str, int, str], LedgerEntry] = {}
         self._applied: dict[str, LedgerEntry] = {}  # payload SHA-256 -> the entry that applied it
         self.included: dict[str, int] = {}  # node -> the newest local step of its applied deltas
+        self.step_micros: dict[str, int] = {}  # node -> its busy microseconds per step, at that delta
         for e in entries:
             self.add(e)
 
@@ -132,6 +137,8 @@ class Ledger:
         if entry.status in ("applied", "preexisting"):
             self._applied.setdefault(entry.sha256, entry)
         if entry.status == "applied":
+            if entry.local_step > self.included.get(entry.node_id, -1) and entry.step_micros > 0:
+                self.step_micros[entry.node_id] = entry.step_micros
             self.included[entry.node_id] = max(self.included.get(entry.node_id, -1), entry.local_step)
 
     def get(self, identity: tuple[str, int, str]) -> LedgerEntry | None:

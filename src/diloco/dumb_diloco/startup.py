@@ -118,13 +118,8 @@ class GlobalReader:
             raise kind(f"global outer step {outer_step}: {err.reason}") from None
         self.step_info = info
         peers = len({d.get("node_id") for d in info.get("deltas", []) if isinstance(d, dict)})
-        included = info.get("included", {})
-        included = (
-            {str(k): v for k, v in included.items() if isinstance(v, int)}
-            if isinstance(included, dict)
-            else {}
-        )
-        return GlobalSnapshot(outer_step, tensors, source="repo", num_peers=peers, included=included)
+        included, micros = (_int_map(info.get(key)) for key in ("included", "step_micros"))
+        return GlobalSnapshot(outer_step, tensors, "repo", peers, included, micros)
 
     def _is_other_model(self, blob: bytes) -> bool:
         """True for a well-formed file whose keys, shapes or dtypes differ from this model's."""
@@ -403,3 +398,10 @@ def _lease(node: DumbDiLoCo) -> str:
         except TransportError as err:
             raise node.s.error(f"cannot take the lease of {s.repo_id}: {err}") from None
     raise node.s.error(f"cannot take the lease of {s.repo_id}: the repository kept changing under it")
+
+
+def _int_map(value: object) -> dict[str, int]:
+    """A step_count.json map of node -> int, its other entries dropped (a hostile file cannot break a node)."""
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): v for k, v in value.items() if isinstance(v, int) and not isinstance(v, bool)}

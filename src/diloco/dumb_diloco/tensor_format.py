@@ -110,10 +110,11 @@ class DeltaMeta:
     payload_sha256: str = ""  # filled in by `encode`; read back by `from_header`
     format_version: str = FORMAT_VERSION
     quant_block_size: int = 0  # int8/int4: elements per bfloat16 scale (even, >= 2); 0 (unwritten) else
+    step_micros: int = 0  # the node's busy microseconds per step (dynamic local steps); 0: unknown, unwritten
 
     def __post_init__(self) -> None:
         validate_node_id(self.node_id)
-        for name in _INT_FIELDS:
+        for name in (*_INT_FIELDS, "step_micros"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -133,8 +134,9 @@ class DeltaMeta:
 
     def to_header(self) -> dict[str, str]:
         """Every field as a string under its own name (`__metadata__`); payload_sha256 once it is set."""
-        drop = "" if self.dtype in QUANT_DTYPES else "quant_block_size"  # a float delta has no block size
-        return {f.name: str(v) for f in fields(self) if (v := getattr(self, f.name)) != "" and f.name != drop}
+        drop = {"quant_block_size": self.dtype not in QUANT_DTYPES, "step_micros": not self.step_micros}
+        items = ((f.name, getattr(self, f.name)) for f in fields(self) if not drop.get(f.name))
+        return {name: str(v) for name, v in items if v != ""}
 
     @classmethod
     def from_header(cls, meta: dict[str, str]) -> DeltaMeta:
@@ -143,6 +145,7 @@ class DeltaMeta:
             if not isinstance(meta.get(key), str):
                 raise InvalidTensorFile(f"metadata field {key!r} is missing")
         ints = _INT_FIELDS + (("quant_block_size",) if meta["dtype"] in QUANT_DTYPES else ())
+        ints += ("step_micros",) if "step_micros" in meta else ()
         skip = (*ints, "quant_block_size")  # a float delta's block size means nothing
         strings = {f.name: meta[f.name] for f in fields(cls) if f.name in meta and f.name not in skip}
         try:
