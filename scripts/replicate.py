@@ -320,6 +320,9 @@ def run_local(name: str, runs: Path, overrides: list[str] = (), device: str = "c
             str(rank),
             "--",
             *common,
+            # the master's evaluations are the run's, as synchronous DiLoCo's rank 0's are; a worker's would
+            # be of its own weights, and on shared cores they slow every node (workers: the final one only)
+            *(["train.eval_every=0"] if rank > 0 else []),
         ]
         procs.append(subprocess.Popen(args, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}))
         if rank == 0:

@@ -65,6 +65,15 @@ def test_make_replicate_gpu_runs_end_to_end_on_cpu(tmp_path):
             assert summary["status"] == "completed" and summary["step"] == max_steps, (d, summary["step"])
             assert summary["config"]["device"] == "cpu"
 
+    # DumbDiLoCo: the master evaluates mid-run (the run's curve), its workers only at their end
+    dumb = next(
+        n for n in FAMILIES["gpu"] if compose_experiment(n, CPU_SMOKE).distributed.mode == "dumb_diloco"
+    )
+    master, *workers = run_dirs(runs, dumb)
+    mid_run = f"step {compose_experiment(dumb, CPU_SMOKE).train.eval_every}: eval loss"
+    assert mid_run in (master / "train.log").read_text()
+    assert workers and not any(mid_run in (w / "train.log").read_text() for w in workers)
+
     report = (out / "report.md").read_text()
     for name in FAMILIES["gpu"]:
         assert f"| {name.split('/')[-1]} |" in report, name  # a row of the runs table
