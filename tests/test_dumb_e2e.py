@@ -58,11 +58,13 @@ COMMON = [
     "distributed=dumb_diloco",
     f"distributed.inner_steps={H}",
     "distributed.poll_interval=0.2",
-    # With a 0.2 s poll the master makes about one outer round per delta (3 per H steps), and this
-    # 30-step run ends while the outer momentum is still moving: the spec's 0.7/0.9 diverges here (also
-    # with one round of all deltas per H; see docs/dumb_diloco.md), 0.7/0.3 trains.
-    "distributed.outer_lr=0.7",
-    "distributed.outer_momentum=0.3",
+    # The spec's quorum 0: each poll's deltas make an outer step, and which deltas a poll finds depends on the
+    # processes' timing. Outer lr 1/3 without momentum makes the updates' sum the same however the deltas
+    # group (3 nodes: each delta's third, i.e. plain averaging per round of all three), so the check that
+    # the final global beats the initial one does not depend on timing. With 0.7/0.3 it failed once in 40
+    # runs under load (a final loss of 7.13 against 6.96 initially; the published global replayed exactly).
+    "distributed.outer_lr=0.3333333",
+    "distributed.outer_momentum=0.0",
     "distributed.startup_timeout=240",
     "distributed.shutdown_timeout=120",
 ]

@@ -415,7 +415,9 @@ def test_second_master_refuses_while_the_lease_is_fresh_then_takes_over(tmp_path
     m1_step = published_step(repo)
     w = node(tmp_path, "worker", repo_dir, "w1", steps=30, seed=3)
     wait_for(lambda: time.time() - m1_lease["heartbeat"] > lease, DEADLINE, "m1's lease to expire")
-    second = node(tmp_path, "master", repo_dir, "m2", lease=lease, tag="-takeover")
+    # m2's seed differs from m1's (0): each step's noise is the seed's, so with m1's seed a delta of m2 can carry
+    # the very payload of m1's delta at the same step, which the master rightly records as a duplicate
+    second = node(tmp_path, "master", repo_dir, "m2", lease=lease, tag="-takeover", seed=2)
     finish(w, tmp_path / "w1.log")
     (tmp_path / "stop").touch()
     finish(second, tmp_path / "m2-takeover.log")
