@@ -67,7 +67,7 @@ class TwoCopyCoordinator(DumbDiLoCo):
         job = super()._capture(local_step)
         job.materialize()  # the subtraction on the training thread, as before
         self._baseline = {k: t.detach().to("cpu", copy=True) for k, t in current.items()}  # a fresh copy
-        self._free.clear()
+        self.buffers.free.clear()
         return job
 
 

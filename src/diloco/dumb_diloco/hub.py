@@ -17,6 +17,7 @@ import logging
 import os
 import random
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -92,6 +93,14 @@ def _parse_retry_after(value: str | None) -> float | None:
 
 class _Truncated(Exception):
     """A response ended before its Content-Length: retried like a dropped connection."""
+
+
+def _spooled(stack: contextlib.ExitStack, data: memoryview) -> str:
+    """`data` written to a temporary file that `stack` deletes; its path."""
+    f = stack.enter_context(tempfile.NamedTemporaryFile(prefix="dumb_diloco_", suffix=".upload"))
+    f.write(data)
+    f.flush()
+    return f.name
 
 
 def _git_blob_sha1(data: bytes) -> str:
@@ -383,22 +392,27 @@ class HubTransport:
             return self.revision()
         message = message or f"dumb_diloco: write {len(files)} file(s), delete {len(delete)}"
 
-        def _commit() -> str:
-            ops: list[Any] = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=d) for p, d in files.items()]
-            ops += [CommitOperationDelete(path_in_repo=p) for p in delete]
-            return self._api.create_commit(
-                self.repo_id,
-                operations=ops,
-                commit_message=message,
-                repo_type="model",
-                parent_commit=parent_revision,
-            ).oid
+        with contextlib.ExitStack() as spool:
+            # a buffer (not bytes) goes by a temporary file in $TMPDIR: bytes(view) would hold a second copy
+            # of a delta in memory, and huggingface_hub uploads bytes and paths (not buffers) through Xet
+            sources = {p: d if isinstance(d, bytes) else _spooled(spool, d) for p, d in files.items()}
 
-        sha = self._call(
-            f"commit of {len(files)} file(s) and {len(delete)} deletion(s)",
-            _commit,
-            on_transient=lambda: self._landed(files, delete),
-        )
+            def _commit() -> str:
+                ops: list[Any] = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=d) for p, d in sources.items()]
+                ops += [CommitOperationDelete(path_in_repo=p) for p in delete]
+                return self._api.create_commit(
+                    self.repo_id,
+                    operations=ops,
+                    commit_message=message,
+                    repo_type="model",
+                    parent_commit=parent_revision,
+                ).oid
+
+            sha = self._call(
+                f"commit of {len(files)} file(s) and {len(delete)} deletion(s)",
+                _commit,
+                on_transient=lambda: self._landed(files, delete),
+            )
         self._record_commit()
         return sha
 

@@ -32,25 +32,33 @@ def shifted(t: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def translate(node: Node, g: GlobalSnapshot) -> None:
-    """Install `g` keeping the node's own progress (see the module docstring)."""
+    """Install `g` keeping the node's own progress (see the module docstring). One tensor's shift at a
+    time (no model-sized float32 shift); when S is the baseline itself (g includes the node's newest
+    delta: the usual case), the baseline becomes g's tensors exactly and S is free for the next capture."""
     mine = g.included.get(node.s.node_id, -1)
     if mine > node.included_step and mine in node.pending_snapshots:
         ref = node.pending_snapshots[mine]
     else:  # g includes no newer delta of this node (or one this process did not capture: a restart)
         ref = node.reference
         mine = node.included_step if mine not in node.pending_snapshots else mine
-    shift = {k: g.state[k].float() - ref[k].float() for k in node.delta_keys}
-    live = node.model.state_dict()
-    for k, t in live.items():
-        if k in shift:
-            t.copy_(shifted(t, shift[k]))
-        else:
+    later = {step: snap for step, snap in node.pending_snapshots.items() if step > mine}
+    old_baseline, exact = node._baseline, node._baseline is ref  # S is the baseline: it becomes g
+    baseline: dict[str, torch.Tensor] = {}
+    pending: dict[int, dict[str, torch.Tensor]] = {step: {} for step in later}
+    for k, t in node.model.state_dict().items():
+        if k not in old_baseline:
             t.copy_(g.state[k])  # what is not in a delta (integer buffers) is the global's
-    node._baseline = {k: shifted(t, shift[k]) for k, t in node._baseline.items()}
-    node.pending_snapshots = {
-        step: {k: shifted(t, shift[k]) for k, t in snap.items()}
-        for step, snap in node.pending_snapshots.items()
-        if step > mine
-    }
+            continue
+        shift = g.state[k].float() - ref[k].float()
+        t.copy_(shifted(t, shift))
+        baseline[k] = g.state[k] if exact else shifted(old_baseline[k], shift)
+        for step, snap in later.items():  # the baseline is the newest snapshot: shifted once
+            pending[step][k] = baseline[k] if snap is old_baseline else shifted(snap[k], shift)
+    released = [snap for step, snap in node.pending_snapshots.items() if step <= mine]
+    node._baseline, node.pending_snapshots = baseline, pending
     node.reference = {k: g.state[k] for k in node.delta_keys}  # never mutated
     node.included_step = max(node.included_step, mine)
+    job = node._upload[0] if node._upload is not None else None
+    for snap in [*released, old_baseline]:  # free for the next capture unless a job in flight reads it
+        if job is None or (snap is not job.base and snap is not job.snapshot):
+            node.buffers.keep(snap)

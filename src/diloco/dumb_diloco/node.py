@@ -31,7 +31,7 @@ from diloco.model import weights_sha256
 from .budget import PaceCheck
 from .delta_codec import DeltaCodec
 from .install import translate
-from .lanes import DeltaJob, OwnCopy
+from .lanes import Buffers, DeltaJob, OwnCopy
 from .master import OuterLoop
 from .progress import GlobalProgress
 from .recovery import GlobalSnapshot, MasterState, delta_layout, state_layout
@@ -89,6 +89,7 @@ class Node:
         self.delta_keys = list(delta_layout(state))
         self.translating = settings.install == "translate"
         self.codec = DeltaCodec.from_settings(settings)  # float32, or int8/int4 with error feedback
+        self.buffers = Buffers(state, self.delta_keys, float32_wire=self.codec.bits is None)  # lanes.py
         # install.translate's state: the last installed global, its newest own delta, the snapshots it lacks
         self.reference: dict[str, torch.Tensor] | None = None
         self.included_step = -1
@@ -99,9 +100,6 @@ class Node:
         self.started = self.closed = False
         self._baseline: dict[str, torch.Tensor] = {}  # model-dtype CPU copies (see OwnCopy)
         self._carry: DeltaJob | None = None  # a failed upload: its delta goes into the next one
-        # free snapshot buffers (a baseline the upload lane subtracted, or one an install replaced); taken
-        # only at a capture, which needs an idle upload lane, so no job still reads them (at most 2)
-        self._free: list[OwnCopy] = []
         self._steps_since_capture = 0
         self._staged: GlobalSnapshot | None = None
         self._stage_lock = threading.Lock()
@@ -144,7 +142,7 @@ class Node:
             boundary = self._steps_since_capture % self.global_progress.round_steps(self.s.inner_steps) == 0
         else:
             boundary = local_step % self.s.inner_steps == 0
-        captured = False
+        captured = installed_now = False
         if boundary:
             self.boundaries += 1
             if self.uploading:
@@ -155,7 +153,10 @@ class Node:
                 )
             else:
                 self._collect_lanes()  # an upload that ended since the first collect: its carry counts
-                self._dispatch(self._capture(local_step))  # 3, 4
+                job = self._capture(local_step)  # 3
+                if not self.translating and self._install_staged(job):  # 6 before 4: the delta is fixed
+                    installed_now = True  # and the snapshot, no longer the baseline, becomes it in place
+                self._dispatch(job)  # 4
                 captured = True
         if boundary or self.clock() - self._last_poll >= self.s.poll_interval:
             self._last_poll = self.clock()
@@ -164,7 +165,7 @@ class Node:
         if captured and self.s.install_wait_seconds > 0:
             self._await_inclusion(local_step)
         when_staged = self.translating and self.s.install_when_staged  # mid-round: no progress is lost
-        installed = (captured or when_staged) and self._install_staged()  # 6
+        installed = ((captured or when_staged) and self._install_staged()) or installed_now  # 6
         stall = time.perf_counter() - t0
         self.stall_seconds += stall
         result = StepResult(installed and self.s.reset_inner_optimizer, installed)  # 7
@@ -196,9 +197,7 @@ class Node:
         """Step 3: one copy of the current weights becomes the new baseline; the job computes the
         cumulative pseudo-gradient float32(old baseline) - float32(snapshot), plus a failed upload's."""
         state = self.model.state_dict()
-        snapshot = self._free.pop() if self._free and not self.translating else None
-        if snapshot is None:
-            snapshot = OwnCopy({k: torch.empty_like(state[k], device="cpu") for k in self.delta_keys})
+        snapshot = self.buffers.snapshot(state)
         src, dst = [state[k].detach() for k in self.delta_keys], [snapshot[k] for k in self.delta_keys]
         if all(t.device.type == "cpu" for t in src):
             torch._foreach_copy_(dst, src)  # one fused call
@@ -221,7 +220,7 @@ class Node:
         path, delta = delta_path(self.s.node_id, local_step), carry.delta if carry is not None else None
         if self.translating:
             self.pending_snapshots[local_step] = snapshot  # until an installed global includes its delta
-        return DeltaJob(local_step, path, meta, steps, base, snapshot, carry=delta)
+        return DeltaJob(local_step, path, meta, steps, base, snapshot, carry=delta, new_file=self.buffers.new_file)
 
     def _dispatch(self, job: DeltaJob) -> None:
         self._upload = (job, self._lanes["upload"].submit(self._send, job))
@@ -230,10 +229,11 @@ class Node:
         """Step 4, on the upload lane: subtract, encode, write. Returns the bytes and the payload SHA-256."""
         t0 = time.perf_counter()
         try:
-            delta, free = job.materialize()
-            if free is not None and not self.translating:  # translating: the snapshot may be a reference
-                self._free.append(free)  # the training thread takes it at the next capture, after this job
-            blob, job.residual = self.codec.encode(delta, job.meta)  # int8/int4: delta + the residual
+            delta, job.free = job.materialize()  # the training thread pools the base when the job is done
+            if job.file is not None:  # float32: the delta is already laid out as its file
+                blob, job.residual = job.file.file(job.meta.to_header()), None
+            else:
+                blob, job.residual = self.codec.encode(delta, job.meta)  # int8/int4: delta + the residual
             job.encoded.set()
             self.transport.write(
                 {job.path: blob}, message=f"{self.s.node_id}: delta at local step {job.local_step}"
@@ -247,7 +247,13 @@ class Node:
 
     def _upload_done(self, job: DeltaJob, future: Future) -> None:
         self.last_upload_seconds = job.seconds
+        if not self.translating:  # translating: the base may be a snapshot translate still needs
+            self.buffers.keep(job.free)
+        job.free = None
         if (err := future.exception()) is None:
+            if job.in_place and job.file is not None:  # the uploaded delta's buffer: a snapshot again
+                self.buffers.keep(OwnCopy.of_file(job.file))
+            job.file = None
             n, sha = future.result()
             self.last_uploaded = (job.local_step, sha)
             self.uploads, self.last_delta_bytes = self.uploads + 1, n
@@ -351,8 +357,10 @@ class Node:
                 f"{what} does not match this model (keys, shapes or dtypes differ, e.g. {diff[:3]})"
             )
 
-    def _install_staged(self) -> bool:
-        """Step 6, on the training thread: copy a staged newer global into the live model."""
+    def _install_staged(self, job: DeltaJob | None = None) -> bool:
+        """Step 6, on the training thread: copy a staged newer global into the live model. `job`: the
+        boundary's upload, not yet dispatched (`replace`): its snapshot, which the global replaces as the
+        baseline, becomes its delta in place."""
         with self._stage_lock:
             snapshot, self._staged = self._staged, None
         if snapshot is None or snapshot.outer_step <= self.installed_outer_step:
@@ -369,8 +377,10 @@ class Node:
             with torch.no_grad():
                 for k, t in self.model.state_dict().items():
                     t.copy_(snapshot.state[k])
-            if isinstance(self._baseline, OwnCopy) and not self.translating:  # no job reads it
-                self._free.append(self._baseline)
+            if job is not None and self._baseline is job.snapshot:
+                job.in_place = job.snapshot.file is not None
+            elif not self.translating:  # a job that reads it ends before the next capture takes it
+                self.buffers.keep(self._baseline)
             self._baseline = {k: snapshot.state[k] for k in self.delta_keys}  # the snapshot is never mutated
             self.reference, self.pending_snapshots = dict(self._baseline), {}
             self.included_step = snapshot.included.get(self.s.node_id, -1)

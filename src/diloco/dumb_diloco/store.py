@@ -136,7 +136,8 @@ def validate_prefix(prefix: str) -> str:
 
 
 def check_write_args(files: dict[str, bytes], delete: Sequence[str]) -> tuple[dict[str, bytes], list[str]]:
-    """The arguments of `Transport.write`, checked: clean paths, bytes, no path both written and deleted."""
+    """The arguments of `Transport.write`, checked: clean paths, bytes-like contents, no path both written
+    and deleted."""
     if isinstance(delete, str):
         raise TypeError("delete must be a sequence of paths, not a string")
     for path, data in files.items():
@@ -149,4 +150,6 @@ def check_write_args(files: dict[str, bytes], delete: Sequence[str]) -> tuple[di
         raise ValueError(f"paths both written and deleted in one unit: {sorted(both)}")
     if len(set(delete)) != len(delete):
         raise ValueError("duplicate paths in delete")
-    return {p: bytes(d) for p, d in files.items()}, delete
+    # bytes as they are; a buffer (a node's delta laid out as its file, delta_file.py) as a read-only
+    # view, not copied: valid until `write` returns, so a transport sends or copies it before returning
+    return {p: d if isinstance(d, bytes) else memoryview(d).cast("B").toreadonly() for p, d in files.items()}, delete
