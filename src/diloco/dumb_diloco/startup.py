@@ -106,7 +106,9 @@ class GlobalReader:
         self.on_bytes(len(blob))
         self.seen_revision = revision
         try:
-            tensors, meta = decode(blob, max_bytes=self.max_file_bytes, expected=self.layout)
+            # read-only views of the downloaded bytes: one copy of the global in memory (a global is never
+            # written: it is copied into the live model, and the node's baseline refers to it as it is)
+            tensors, meta = decode(blob, max_bytes=self.max_file_bytes, expected=self.layout, views=True)
             if meta.get("outer_step") != str(outer_step):
                 raise InvalidTensorFile(
                     f"global file is outer step {meta.get('outer_step')!r} but step_count.json says "
