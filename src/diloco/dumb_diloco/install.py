@@ -49,8 +49,8 @@ def translate(node: Node, g: GlobalSnapshot) -> None:
         if k not in old_baseline:
             t.copy_(g.state[k])  # what is not in a delta (integer buffers) is the global's
             continue
-        shift = g.state[k].float() - ref[k].float()
-        t.copy_(shifted(t, shift))
+        shift = g.state[k].float() - ref[k].float()  # the one temporary of this tensor's size
+        t.add_(shift) if t.dtype == torch.float32 else t.copy_(shifted(t, shift))
         baseline[k] = g.state[k] if exact else shifted(old_baseline[k], shift)
         for step, snap in later.items():  # the baseline is the newest snapshot: shifted once
             pending[step][k] = baseline[k] if snap is old_baseline else shifted(snap[k], shift)
