@@ -240,6 +240,7 @@ class Node:
             )
             self.codec.commit(job.residual)  # uploaded: the master has Q(delta + residual)
             job.delta = None  # uploaded: freed here, not on the training thread (860 MB at 150M: ~30 ms)
+            job.file = job.file if job.in_place else None  # an in-place one is kept as the next snapshot
             return len(blob), parse_header(blob).metadata["payload_sha256"]
         finally:
             job.seconds = time.perf_counter() - t0
