@@ -89,7 +89,8 @@ class Transport(Protocol):
         parent_revision: str | None = None,
     ) -> str:
         """Write `files` and delete `delete` as one atomic unit; returns the new revision.
-        RevisionConflict if `parent_revision` is given and is no longer the newest."""
+        RevisionConflict if `parent_revision` is given and is no longer the newest. A file's contents
+        may be a buffer the caller reuses once this returns: send or copy it before returning."""
         ...
 
     def delete(self, paths: Sequence[str]) -> str:
