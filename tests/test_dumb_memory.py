@@ -9,6 +9,7 @@ delta, encoded bytes, staged global, a pooled buffer) and 4 with `translate`.
 
 from __future__ import annotations
 
+import io
 import random
 
 import pytest
@@ -124,6 +125,7 @@ def test_a_worker_holds_at_most_three_model_copies_around_a_boundary(tmp_path, i
             torch._foreach_add_(params, 1e-3 * step)  # an inner step
         node.on_step(step)
         seen.append(held_copies(node))
+        torch.save(node.state_dict(), io.BytesIO())  # the trainer's checkpoint: snapshots laid out as files save
         if step % 3 == 0:  # the master's round, then a poll stages its global (a download, as a worker's)
             assert loop.run_once().applied
             node.stage(node.fetch_global())
