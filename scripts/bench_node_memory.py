@@ -65,7 +65,9 @@ def shapes(params: int) -> dict[str, tuple[int, ...]]:
 class Params(torch.nn.Module):
     def __init__(self, layout):
         super().__init__()
-        self.params = torch.nn.ParameterList([torch.nn.Parameter(torch.full(s, 0.01)) for s in layout.values()])
+        self.params = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.full(s, 0.01)) for s in layout.values()]
+        )
 
 
 def _status_mib(field: str) -> float:
@@ -92,7 +94,9 @@ def _settings(role: str, node_id: str, root: Path, **kw) -> Settings:
 
 def run_master(root: Path, params: int) -> None:
     """The master's node: publishes global 0, then only runs its outer loop until `stop` appears."""
-    node = DumbDiLoCo(Params(shapes(params)), _settings("master", "master", root), DirectoryTransport(root / "repo"))
+    node = DumbDiLoCo(
+        Params(shapes(params)), _settings("master", "master", root), DirectoryTransport(root / "repo")
+    )
     node.start()
     (root / "master-ready").touch()
     deadline = time.monotonic() + 600
@@ -111,7 +115,7 @@ def run_worker(root: Path, params: int, case: str, rounds: int) -> None:
     s = _settings("worker", "worker-1", root, **CASES[case])
     node = DumbDiLoCo(model, s, DirectoryTransport(root / "repo"))
     node.start()
-    params_list, step, peaks = list(model.parameters()), 0, []
+    params_list, step = list(model.parameters()), 0
     for r in range(2 + rounds):
         if r == 2:
             gc.collect()
@@ -131,20 +135,35 @@ def run_worker(root: Path, params: int, case: str, rounds: int) -> None:
     peak = _status_mib("VmHWM")
     model_mib = sum(torch.Size(x).numel() for x in layout.values()) * 4 / MiB
     node.close()
-    print(json.dumps({"case": case, "rss_model_mib": rss_model, "peak_mib": peak, "model_mib": model_mib,
-                      "buffers": (peak - rss_model) / model_mib, "installs": node.installs}))
+    print(
+        json.dumps(
+            {
+                "case": case,
+                "rss_model_mib": rss_model,
+                "peak_mib": peak,
+                "model_mib": model_mib,
+                "buffers": (peak - rss_model) / model_mib,
+                "installs": node.installs,
+            }
+        )
+    )
 
 
 def _has_global(node: DumbDiLoCo, outer_step: int) -> bool:
     staged = node._staged
-    return not node.uploading and max(node.installed_outer_step, staged.outer_step if staged else -1) >= outer_step
+    return (
+        not node.uploading
+        and max(node.installed_outer_step, staged.outer_step if staged else -1) >= outer_step
+    )
 
 
 def main(argv=None) -> int:
     p = bc.parser(__doc__.splitlines()[0], repeats=3, warmup=0)
     p.add_argument("--params", type=int, default=33_554_432, help="float32 parameters of the model")
     p.add_argument("--label", default="after", help="the key of this run in node_memory.json")
-    p.add_argument("--code-commit", default=None, help="the commit of the diloco code measured (default HEAD)")
+    p.add_argument(
+        "--code-commit", default=None, help="the commit of the diloco code measured (default HEAD)"
+    )
     p.add_argument("--child", choices=["master", *CASES], help=argparse.SUPPRESS)
     p.add_argument("--root", type=Path, help=argparse.SUPPRESS)
     args = bc.finish_args(p.parse_args(argv))
@@ -167,8 +186,14 @@ def main(argv=None) -> int:
                 deadline = time.monotonic() + 120
                 while not (root / "master-ready").exists() and time.monotonic() < deadline:
                     time.sleep(0.05)
-                out = subprocess.run([*base, "--child", case, "--repeats", str(args.repeats)], env=env,
-                                     capture_output=True, text=True, check=True, timeout=600).stdout
+                out = subprocess.run(
+                    [*base, "--child", case, "--repeats", str(args.repeats)],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    timeout=600,
+                ).stdout
             finally:
                 (root / "stop").touch()
                 master.wait(timeout=120)
@@ -219,6 +244,7 @@ def report(runs: dict[str, dict]) -> str:
             f"script {r['bench_commit'][:10]}; {m['cpu']}, {m['cores']} cores, torch {m['torch']}"
         )
     return "\n".join(lines) + "\n"
+
 
 if __name__ == "__main__":
     sys.exit(main())

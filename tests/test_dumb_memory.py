@@ -63,7 +63,9 @@ def test_the_upload_lane_computes_the_pseudo_gradient_into_the_file(dtype, in_pl
         for k, t in snap.items():
             own[k].copy_(t)
         snap = own
-    job = DeltaJob(1, "p", DeltaMeta("n", 1, 0), 1, base, snap, carry=carry, new_file=lambda: DeltaFile(delta_shapes))
+    job = DeltaJob(
+        1, "p", DeltaMeta("n", 1, 0), 1, base, snap, carry=carry, new_file=lambda: DeltaFile(delta_shapes)
+    )
     job.in_place = in_place
     delta, _ = job.materialize()
     assert (job.file is own.file) if in_place else job.file is not None
@@ -112,7 +114,9 @@ def test_a_worker_holds_at_most_three_model_copies_around_a_boundary(tmp_path, i
 
     def counting_send(job):  # the delta's write, inside the job: the boundary's peak
         write = node.transport.write
-        node.transport.write = lambda files, **kw: (seen.append(held_copies(node, job)), write(files, **kw))[1]
+        node.transport.write = lambda files, **kw: (seen.append(held_copies(node, job)), write(files, **kw))[
+            1
+        ]
         try:
             return send(job)
         finally:
@@ -125,7 +129,9 @@ def test_a_worker_holds_at_most_three_model_copies_around_a_boundary(tmp_path, i
             torch._foreach_add_(params, 1e-3 * step)  # an inner step
         node.on_step(step)
         seen.append(held_copies(node))
-        torch.save(node.state_dict(), io.BytesIO())  # the trainer's checkpoint: snapshots laid out as files save
+        torch.save(
+            node.state_dict(), io.BytesIO()
+        )  # the trainer's checkpoint: snapshots laid out as files save
         if step % 3 == 0:  # the master's round, then a poll stages its global (a download, as a worker's)
             assert loop.run_once().applied
             node.stage(node.fetch_global())

@@ -37,7 +37,11 @@ class DeltaFile:
         self.entries, offset = {}, 0
         for name in sorted(order, key=lambda k: order[k]["data_offsets"]):
             n = 4 * math.prod(shapes[name])
-            self.entries[name] = {"dtype": "F32", "shape": list(shapes[name]), "data_offsets": [offset, offset + n]}
+            self.entries[name] = {
+                "dtype": "F32",
+                "shape": list(shapes[name]),
+                "data_offsets": [offset, offset + n],
+            }
             offset += n
         entries_bytes = len(canonical_header(self.entries))
         self.room = entries_bytes + METADATA_ROOM + (-(entries_bytes + METADATA_ROOM) % 8)

@@ -398,7 +398,9 @@ class HubTransport:
             sources = {p: d if isinstance(d, bytes) else _spooled(spool, d) for p, d in files.items()}
 
             def _commit() -> str:
-                ops: list[Any] = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=d) for p, d in sources.items()]
+                ops: list[Any] = [
+                    CommitOperationAdd(path_in_repo=p, path_or_fileobj=d) for p, d in sources.items()
+                ]
                 ops += [CommitOperationDelete(path_in_repo=p) for p in delete]
                 return self._api.create_commit(
                     self.repo_id,

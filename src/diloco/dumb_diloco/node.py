@@ -220,7 +220,9 @@ class Node:
         path, delta = delta_path(self.s.node_id, local_step), carry.delta if carry is not None else None
         if self.translating:
             self.pending_snapshots[local_step] = snapshot  # until an installed global includes its delta
-        return DeltaJob(local_step, path, meta, steps, base, snapshot, carry=delta, new_file=self.buffers.new_file)
+        return DeltaJob(
+            local_step, path, meta, steps, base, snapshot, carry=delta, new_file=self.buffers.new_file
+        )
 
     def _dispatch(self, job: DeltaJob) -> None:
         self._upload = (job, self._lanes["upload"].submit(self._send, job))

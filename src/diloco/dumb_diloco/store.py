@@ -153,4 +153,6 @@ def check_write_args(files: dict[str, bytes], delete: Sequence[str]) -> tuple[di
         raise ValueError("duplicate paths in delete")
     # bytes as they are; a buffer (a node's delta laid out as its file, delta_file.py) as a read-only
     # view, not copied: valid until `write` returns, so a transport sends or copies it before returning
-    return {p: d if isinstance(d, bytes) else memoryview(d).cast("B").toreadonly() for p, d in files.items()}, delete
+    return {
+        p: d if isinstance(d, bytes) else memoryview(d).cast("B").toreadonly() for p, d in files.items()
+    }, delete

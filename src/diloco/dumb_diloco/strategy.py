@@ -231,7 +231,9 @@ class DumbDiLoCo(Node):
         }
         if self.translating and self.reference is not None:  # install.translate's state (references)
             out["translate"] = {"reference": self.reference, "included_step": self.included_step}
-            out["translate"]["pending"] = {str(k): dict(v) for k, v in self.pending_snapshots.items()}  # no file
+            out["translate"]["pending"] = {
+                str(k): dict(v) for k, v in self.pending_snapshots.items()
+            }  # no file
         if self.codec.error_feedback:  # int8/int4: the residual, as it is once the upload in flight succeeds
             out["codec"] = self.codec.state_dict(self._upload[0] if self._upload is not None else None)
         if (c := self._carry) is not None:
