@@ -249,16 +249,9 @@ def main(argv=None) -> int:
         "writes": writes,
         "memory": memory,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "aggregation.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
-    runs = old.get("runs", {}) if old.get("name") == "aggregation" else {}
-    runs[args.label] = record
-    path.write_text(json.dumps({"name": "aggregation", "runs": runs}, indent=1) + "\n")
-    (out / "aggregation.md").write_text(report(runs))
+    bc.write_labelled(args.out, "aggregation", args.label, record, report)
     print(bc.table([row]))
-    print(f"-> {path}, {out / 'aggregation.md'}")
+    print(f"-> {Path(args.out) / 'aggregation.json'}, {Path(args.out) / 'aggregation.md'}")
     return 0
 
 

@@ -256,6 +256,21 @@ def write(
     return path
 
 
+def write_labelled(out: str | Path, name: str, label: str, record: dict, report) -> dict[str, dict]:
+    """Keep `record` under `label` in `<out>/<name>.json` (the other labels stay) and rewrite
+    `<out>/<name>.md` as `report(runs)`; returns every run. For before/after benchmarks whose runs come
+    from different checkouts."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    old = json.loads(path.read_text()) if path.exists() else {}
+    runs = old.get("runs", {}) if old.get("name") == name else {}
+    runs[label] = record
+    path.write_text(json.dumps({"name": name, "runs": runs}, indent=1) + "\n")
+    (out / f"{name}.md").write_text(report(runs))
+    return runs
+
+
 def _rel(a: str) -> str:
     try:
         return str(Path(a).resolve().relative_to(ROOT)) if os.path.exists(a) else a

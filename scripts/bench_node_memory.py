@@ -208,14 +208,7 @@ def main(argv=None) -> int:
         "machine": bc.machine(),
         "rows": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "node_memory.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
-    runs = old.get("runs", {}) if old.get("name") == "node_memory" else {}
-    runs[args.label] = record
-    path.write_text(json.dumps({"name": "node_memory", "runs": runs}, indent=1) + "\n")
-    (out / "node_memory.md").write_text(report(runs))
+    runs = bc.write_labelled(args.out, "node_memory", args.label, record, report)
     print(report(runs))
     return 0
 
