@@ -30,6 +30,7 @@ PLACEHOLDERS = ["distributed.node_id=n1", "distributed.repo_id=/tmp/unused-repo"
         ("experiment=tiny/ddp_mx", "distributed.timeout_seconds=-5", "distributed.timeout_seconds"),
         ("experiment=tiny/diloco_fp32", "train.eval_every=15", "train.eval_every"),
         ("experiment=tiny/diloco_fp32", "train.slowdown=0.5", "train.slowdown"),
+        ("experiment=tiny/diloco_fp32", "train.step_seconds=-0.1", "train.step_seconds"),
     ],
 )
 def test_every_modes_values_are_validated(choice, override, key):

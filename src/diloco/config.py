@@ -377,6 +377,7 @@ def validate(cfg: DictConfig) -> None:
         block, name = key.split(".")
         _number(getattr(c, block), name, f"{block}.", 0, strict=False)
     _number(c.train, "slowdown", "train.", 1, strict=False)  # a factor on a slow shard's step time
+    _number(c.train, "step_seconds", "train.", 0, strict=False)  # an emulated device's time per step
     betas = list(c.optim.betas)
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {betas}")

@@ -48,6 +48,7 @@ from diloco.distributed import (
 from diloco.metrics import RunLogger, git_commit, nothing_left_on
 from diloco.model import build_model, count_parameters, shape_fingerprint
 from diloco.schedule import build_schedule
+from diloco.timing import Clock, InjectedPace
 
 log = logging.getLogger("diloco")
 
@@ -183,7 +184,7 @@ def run(cfg: DictConfig) -> int:
 
     # ----------------------------------------------------------------------------- loop
     micro, max_steps = cfg.train.micro_batch_size, cfg.train.max_steps
-    slow = cfg.train.slowdown > 1 and data_shard(cfg, ctx)[0] in cfg.train.slow_shards
+    pace = InjectedPace(cfg.train, slow=data_shard(cfg, ctx)[0] in cfg.train.slow_shards)
     tokens_per_step = cfg.train.batch_size * cfg.data.seq_len  # per DiLoCo worker; global for DDP
     stop, agree_to_stop = StopFlag(), StopAgreement(ctx)  # ranks see a Ctrl+C at different steps
     stopping = False
@@ -211,8 +212,8 @@ def run(cfg: DictConfig) -> int:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            if slow:  # an injected slow worker (train.slowdown)
-                time.sleep((cfg.train.slowdown - 1) * (time.perf_counter() - t0))
+            if rest := pace.rest(time.perf_counter() - t0):  # injected heterogeneity (experiments)
+                time.sleep(rest)
             step_seconds = time.perf_counter() - t0
             clock.inner_seconds += step_seconds
             window_tokens += tokens_per_step
@@ -273,6 +274,7 @@ def run(cfg: DictConfig) -> int:
         bar.close()
         wall = clock.wall()
         ran = dict(status=status, step=step, eval_loss=eval_loss, wall=wall, inner=clock.inner_seconds)
+        ran["pace"] = pace.summary()
         logger.write_summary(run_summary(cfg, ctx, strategy, ran, counts, commit, resolved))
         logger.close(exit_code)
         strategy.close()
@@ -306,25 +308,13 @@ def run_summary(cfg, ctx, strategy, ran: dict, counts: dict, commit: str | None,
         "git_commit": commit,
         "device": str(ctx.device),
         **strategy.summary(),
+        **ran.get("pace", {}),
         "config": resolved,
     }
 
 
 def _ppl(loss: float) -> float:
     return math.exp(min(loss, 50))
-
-
-class Clock:
-    """Wall-clock and inner-compute seconds of the run, carried across resumes."""
-
-    def __init__(self):
-        self.offset, self.inner_seconds, self.started = 0.0, 0.0, time.perf_counter()
-
-    def resume(self, wall_seconds: float, inner_seconds: float) -> None:
-        self.offset, self.inner_seconds = wall_seconds, inner_seconds
-
-    def wall(self) -> float:
-        return self.offset + time.perf_counter() - self.started
 
 
 def record_config(cfg, run_dir: Path, ctx: DistContext) -> dict:
