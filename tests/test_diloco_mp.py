@@ -184,7 +184,8 @@ def differently_initialised_model(ctx) -> str | None:
 
 
 def hung_peer(ctx, timeout: float) -> dict:
-    """Rank 1 stops answering (alive, sockets open); rank 0 must get a CommError after ~timeout.
+    """Rank 1 stops answering (alive, sockets open); rank 0 must get a CommError after ~timeout. Rank 1
+    waits on the job's store (not the group) until rank 0 is done, however late rank 0 gets there.
     The short timeout is given to a group of its own, so that slow start-up elsewhere cannot trip it."""
     from datetime import timedelta
 
@@ -198,14 +199,17 @@ def hung_peer(ctx, timeout: float) -> dict:
     algo = DiLoCo(
         model, torch.optim.SGD(model.parameters(), lr=0.1), TorchCollective(group, timeout), **hyper
     )
-    if ctx.rank == 1:
-        time.sleep(timeout + 3)
+    store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store, not the hung group
+    if ctx.rank == 1:  # alive with its sockets open until rank 0 has its answer: a rendezvous, not a sleep
+        store.wait(["hung-peer-done"], timedelta(seconds=240))
         return {}
     t0 = time.perf_counter()
     try:
         algo.outer_step()
     except CommError as e:
         return {"error": str(e), "seconds": time.perf_counter() - t0}
+    finally:
+        store.set("hung-peer-done", "1")
     return {"error": None}
 
 
