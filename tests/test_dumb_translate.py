@@ -181,3 +181,33 @@ def test_every_step_lands_in_the_global_exactly_once_whatever_the_install_timing
     ok = torch.allclose(final, flat(alone), rtol=1e-5, atol=1e-6)
     ok &= torch.allclose(flat(model), flat(alone), rtol=1e-5, atol=1e-6)
     assert ok == (install == "translate"), (final - flat(alone)).abs().max()
+
+
+@pytest.mark.parametrize("cap", [2, 0])
+def test_a_master_down_for_many_rounds_costs_a_translating_node_no_memory_and_no_steps(tmp_path, cap):
+    """max_pending_snapshots: the master makes no round for 5 of the node's boundaries. With a cap of 2
+    the node holds 2 snapshots and skips the boundaries past them (their steps go into its next delta);
+    without a cap it holds one per boundary. Either way every step lands in the global exactly once."""
+    kw = {"install": "translate", "install_when_staged": True, "max_pending_snapshots": cap}
+    loop, [(node, model, opt)] = nodes_and_master(tmp_path, 1, 1.0, 0.0, **kw)
+    alone = Net()
+    alone_opt = torch.optim.AdamW(alone.parameters(), lr=1e-2)
+    held = []
+    for step in range(1, 22):
+        inner_step(model, opt, 0, step)
+        inner_step(alone, alone_opt, 0, step)
+        node.on_step(step)
+        held.append(len(node.pending_snapshots))
+        if step == 16:  # the master is back: deltas 3 and 6 (capped) or 3-15 (no cap) make its round
+            loop.run_once()
+            node.stage(loop.snapshot())
+    loop.run_once()  # the last boundary's delta (21)
+    node.stage(loop.snapshot())
+    node._install_staged()
+    assert max(held) == (2 if cap else 5) and node.skipped_boundaries == (3 if cap else 0)
+    assert node.uploads == (4 if cap else 7) and node.pending_snapshots == {}
+    final = torch.cat(
+        [loop.state.weights[k].reshape(-1) for k in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
+    )
+    torch.testing.assert_close(final, flat(alone), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flat(model), flat(alone), rtol=1e-5, atol=1e-6)

@@ -323,9 +323,9 @@ def check_dumb_diloco(d: Any) -> None:
                 "install_wait_seconds"):  # fmt: skip
         _number(d, key, p, 0, strict=False)
     _number(d, "request_timeout", p, 0)
-    _number(d, "min_deltas_per_round", p, 0, strict=False, integer=True)
+    for key in ("min_deltas_per_round", "keep_deltas", "max_pending_snapshots"):
+        _number(d, key, p, 0, strict=False, integer=True)
     _number(d, "delayed_nesterov_period", p, 1, strict=False, integer=True)
-    _number(d, "keep_deltas", p, 0, strict=False, integer=True)
     _number(d, "timeout_seconds", p, 0)
     _one_of(d, "install", p, ("replace", "translate"))
     _one_of(d, "budget", p, ("local", "global"))

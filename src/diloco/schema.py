@@ -238,6 +238,10 @@ class DumbDiLoCoConfig:
     # at a boundary, wait at most this long for the global that includes the delta just uploaded (bounded
     # staleness: a node ahead of the others does not train on without it); 0 = never wait (the spec)
     install_wait_seconds: float = 0.0
+    # translate: at most this many uploaded deltas that no installed global includes yet (a model-sized snapshot
+    # each); a boundary past it is skipped and its steps go into the next delta, so a master that is down
+    # for many rounds costs a worker no memory; 0 = no cap
+    max_pending_snapshots: int = 2
     # local (the spec): every node trains train.max_steps steps; global: the nodes share num_shards x max_steps
     # node-steps (synchronous DiLoCo's tokens) and the lr follows the run's step (dumb_diloco/progress.py)
     budget: str = "local"

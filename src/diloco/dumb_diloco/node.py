@@ -145,12 +145,12 @@ class Node:
         captured = installed_now = False
         if boundary:
             self.boundaries += 1
-            if self.uploading:
+            held, cap = len(self.pending_snapshots), self.s.max_pending_snapshots
+            if self.uploading or 0 < cap <= held:  # its steps stay in the next cumulative delta
                 self.skipped_boundaries += 1
-                log.warning(
-                    f"node {self.s.node_id}: boundary at step {local_step} skipped, the previous upload is "
-                    "still in flight (its progress stays in the next cumulative delta)"
-                )
+                why = "the previous upload is still in flight" if self.uploading else (
+                    f"{held} uploaded deltas are in no global yet (max_pending_snapshots)")  # fmt: skip
+                log.warning(f"node {self.s.node_id}: boundary at step {local_step} skipped, {why}")
             else:
                 self._collect_lanes()  # an upload that ended since the first collect: its carry counts
                 job = self._capture(local_step)  # 3
