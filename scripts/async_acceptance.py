@@ -96,10 +96,15 @@ def heterogeneous(dirs: str) -> dict:
     dumb = [(t + shift, step, ppl) for t, step, ppl in dumb]
     reached = next(((t, step, ppl) for t, step, ppl in dumb if ppl <= target), None)
     ratio = reached[0] / t_sync if reached else None
+    dirs = [Path(sync_dir), *sorted(Path(dumb_prefix).parent.glob(Path(dumb_prefix).name + "-node-*[0-9]"))]
+    runs = {d.name: bc.clean_summary(d / "summary.json") for d in dirs}  # a dirty tree's run is refused
     return {
         "sync_dir": sync_dir, "target_ppl": target, "sync_seconds": t_sync, "sync_curve": sync, "dumb_curve": dumb,
         "dumb_reached": reached, "ratio": ratio,
         "verdict": "PASS" if ratio is not None and ratio <= 0.75 else "FAIL",
+        "commits": sorted({s["git_commit"] for s in runs.values()}),
+        # train.step_seconds: each run's emulated step time, and its steps whose work alone took longer
+        "emulated_step": {name: s.get("emulated_step") for name, s in runs.items()},
     }  # fmt: skip
 
 
@@ -162,6 +167,10 @@ def main() -> None:
             )
             + f" (best {min(p for *_, p in h['dumb_curve']):.2f}); within 75%: {h['verdict']}",
         ]
+        commits += [c[:10] for c in h["commits"] if c[:10] not in commits]
+        if emulated := [e for e in h["emulated_step"].values() if e]:
+            over = sum(e["steps_over"] for e in emulated) / sum(e["steps"] for e in emulated)
+            lines[-1] += f"; emulated step time (train.step_seconds) overrun on {over:.1%} of steps"
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     print(table)
