@@ -143,7 +143,7 @@ def main() -> None:
         "| steps | synchronous DiLoCo (per seed) | mean ± spread | DumbDiLoCo (per seed) | mean ± spread "
         "| gap of means | gap per seed | within 3% |",
         "|---|---|---|---|---|---|---|---|",
-    ]
+    ] if rows else []  # fmt: skip
     for steps, h in rows.items():
         cells = []
         for kind in RUNS:
