@@ -108,6 +108,23 @@ def heterogeneous(dirs: str) -> dict:
     }  # fmt: skip
 
 
+def seed_mean(pairs: list[dict]) -> dict | None:
+    """The pairs' mean: DumbDiLoCo's mean curve (the master's i-th evaluation, its perplexity and time
+    averaged over the pairs) against the mean of synchronous DiLoCo's final perplexities and wall times."""
+    if len(pairs) < 2 or len({len(p["dumb_curve"]) for p in pairs}) != 1:
+        return None  # one pair, or curves of different lengths: no mean curve
+    target = sum(p["target_ppl"] for p in pairs) / len(pairs)
+    t_sync = sum(p["sync_seconds"] for p in pairs) / len(pairs)
+    curve = [
+        (sum(c[0] for c in col) / len(col), col[0][1], sum(c[2] for c in col) / len(col))
+        for col in zip(*(p["dumb_curve"] for p in pairs))
+    ]
+    reached = next((point for point in curve if point[2] <= target), None)
+    ratio = reached[0] / t_sync if reached else None
+    return {"pairs": len(pairs), "target_ppl": target, "sync_seconds": t_sync, "dumb_curve": curve,
+            "dumb_reached": reached, "ratio": ratio}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--horizon", action="append", default=[], help="STEPS=PREFIX")
@@ -136,6 +153,7 @@ def main() -> None:
         record["command"] += f" --heterogeneous {dirs}"
     if args.heterogeneous:
         record["heterogeneous"] = [heterogeneous(dirs) for dirs in args.heterogeneous]
+        record["heterogeneous_mean"] = seed_mean(record["heterogeneous"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -171,6 +189,16 @@ def main() -> None:
         if emulated := [e for e in h["emulated_step"].values() if e]:
             over = sum(e["steps_over"] for e in emulated) / sum(e["steps"] for e in emulated)
             lines[-1] += f"; emulated step time (train.step_seconds) overrun on {over:.1%} of steps"
+    if mean := record.get("heterogeneous_mean"):
+        got = mean["dumb_reached"]
+        lines += [
+            "",
+            f"Mean of the {mean['pairs']} pairs: synchronous DiLoCo ends at {mean['target_ppl']:.2f} after "
+            f"{mean['sync_seconds']:.0f} s; DumbDiLoCo's mean curve "
+            + (f"reaches it at its step {got[1]} after {got[0]:.0f} s ({mean['ratio']:.0%})" if got else "never does")
+            + f"; per pair, within 75% on {sum(h['verdict'] == 'PASS' for h in record['heterogeneous'])} of "
+            f"{mean['pairs']}",
+        ]  # fmt: skip
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     print(table)

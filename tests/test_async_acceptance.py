@@ -58,3 +58,15 @@ def test_the_ratio_is_the_masters_first_evaluation_at_or_below_the_target(tmp_pa
 def test_a_run_from_a_dirty_tree_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="dirty tree"):
         async_acceptance.heterogeneous(pair(tmp_path, sync_commit="abc-dirty"))
+
+
+def test_the_seed_mean_is_the_mean_curve_against_the_mean_target(tmp_path):
+    first = async_acceptance.heterogeneous(pair(tmp_path / "a"))
+    second = dict(
+        first, target_ppl=67.0, dumb_curve=[(t + 20, s, p + 1.0) for t, s, p in first["dumb_curve"]]
+    )
+    mean = async_acceptance.seed_mean([first, second])
+    # target (68 + 67) / 2 = 67.5; mean curve 75.5, 69.0, 68.4, 67.5 at 70, 120, 140, 160 s
+    assert mean["target_ppl"] == 67.5 and mean["dumb_reached"] == (160.0, 400, 67.5)
+    assert mean["ratio"] == pytest.approx(0.8)
+    assert async_acceptance.seed_mean([first]) is None
