@@ -156,3 +156,16 @@ def test_report_collects_every_record(tmp_path):
     assert load("bench_report").main(["--out", str(tmp_path)]) == 0
     readme = (tmp_path / "README.md").read_text()
     assert "3. Wire format" in readme and "hand-written" in readme and "7. GPU**: not measured" in readme
+
+
+@pytest.mark.parametrize("name", ["bench_aggregation", "bench_node_memory"])
+def test_labelled_runs_are_kept_side_by_side(tmp_path, name):
+    """The before/after benchmarks keep each run under its label: a second label leaves the first."""
+    module, key = load(name), name.removeprefix("bench_")
+    for label in ("before", "after"):
+        assert module.main(["--tiny", "--out", str(tmp_path), "--label", label]) == 0
+    record = json.loads((tmp_path / f"{key}.json").read_text())
+    assert record["name"] == key and set(record["runs"]) == {"before", "after"}
+    for run in record["runs"].values():
+        assert run["machine"]["cpu"] and run["commit"] and run["rows"]
+    assert "before" in (tmp_path / f"{key}.md").read_text()

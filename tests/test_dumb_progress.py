@@ -137,11 +137,7 @@ def landed_once(nodes, loop, repo) -> int:
         mine = [r for r in rows if r["node_id"] == node.s.node_id]
         assert len({r["local_step"] for r in mine}) == len(mine)
         assert max(r["local_step"] for r in mine) == node.local_step  # the final delta is in
-        steps = 0
-        for r in mine:
-            path = f"nodes/{node.s.node_id}/delta_{r['local_step']}.safetensors"
-            steps += int(parse_header(repo.read(path)).metadata["tokens_since_baseline"])  # 1 token per step
-        assert steps == node.local_step
+        assert sum(header_steps(node, repo, [r["local_step"] for r in mine])) == node.local_step
     assert sum(loop.state.ledger.included.values()) == sum(n.local_step for n in nodes)
     return sum(n.local_step for n in nodes)
 
@@ -180,11 +176,16 @@ def test_a_slow_node_stops_with_the_fast_ones_and_the_budget_is_spent_within_a_r
         assert run_steps == sorted(run_steps) and run_steps[-1] < max_steps
 
 
+def header_steps(node, repo, local_steps: list[int]) -> list[int]:
+    """The steps each of `node`'s deltas at `local_steps` covers (from their headers: 1 token per step)."""
+    paths = [f"nodes/{node.s.node_id}/delta_{step}.safetensors" for step in local_steps]
+    return [int(parse_header(repo.read(path)).metadata["tokens_since_baseline"]) for path in paths]
+
+
 def delta_steps(node, repo) -> list[int]:
-    """The steps each of `node`'s uploaded deltas covers, in order (from their headers: 1 token per step)."""
+    """The steps each of `node`'s uploaded deltas covers, in the order it uploaded them."""
     steps = sorted(int(p.stem.split("_")[1]) for p in (repo.root / "nodes" / node.s.node_id).glob("delta_*"))
-    header = lambda step: parse_header(repo.read(f"nodes/{node.s.node_id}/delta_{step}.safetensors"))  # noqa: E731
-    return [int(header(step).metadata["tokens_since_baseline"]) for step in steps]
+    return header_steps(node, repo, steps)
 
 
 def test_dynamic_local_steps_give_a_slow_node_shorter_rounds_and_the_master_more_steps(tmp_path):
@@ -238,7 +239,8 @@ def test_the_heterogeneous_experiment_is_tiny_dumb_diloco_with_a_global_budget()
     block = [OmegaConf.to_container(c.distributed, resolve=False) for c in (hetero, plain)]
     differ = {k for k, v in block[0].items() if block[1][k] != v}
     assert (
-        differ == {"budget", "drain_timeout", "dynamic_local_steps"} and hetero.distributed.budget == "global"
+        differ == {"budget", "drain_timeout", "dynamic_local_steps", "poll_interval"}
+        and hetero.distributed.budget == "global"
     )
     assert OmegaConf.to_container(hetero.optim) == OmegaConf.to_container(plain.optim)
     assert hetero.launch.nodes == 4
