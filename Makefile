@@ -16,7 +16,7 @@ FORCE ?= 0
 NODES_FILE ?= configs/local/nodes.txt
 export NODES_FILE
 
-.PHONY: help setup lock check-lock demo test test-gpu lint clean replicate-tiny replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
+.PHONY: help setup lock check-lock demo test test-gpu lint clean replicate-tiny replicate-tiny-hetero replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
 
 help:  ## list what can be run
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-18s %s\n", $$1, $$2}'
@@ -78,6 +78,12 @@ replicate-tiny: setup  ## the whole CPU-scale family here at 2 seeds (~8 min per
 	@set -e; for s in $(TINY_SEEDS); do $(PY) scripts/replicate.py --family tiny --runs $(RUNS)/tiny/s$$s --override seed=$$s; done
 	$(PY) scripts/report.py --family tiny --runs $(RUNS)/tiny
 	$(PY) scripts/check.py --family tiny --runs $(RUNS)/tiny
+
+# issue 12's heterogeneous bar: synchronous DiLoCo against DumbDiLoCo with worker/node 3 2x slower, per seed,
+# then the pairs' record (a folder of runs, not results/: committed records are not overwritten)
+replicate-tiny-hetero: setup  ## one node 2x slower, synchronous DiLoCo vs DumbDiLoCo at 2 seeds (~7 min per seed), then their record in $(RUNS)/tiny-hetero/record
+	@set -e; for s in $(TINY_SEEDS); do $(PY) scripts/replicate.py --family tiny-hetero --runs $(RUNS)/tiny-hetero/s$$s --override seed=$$s; done
+	$(PY) scripts/async_acceptance.py --out $(RUNS)/tiny-hetero/record --seeds $(TINY_SEEDS) $(foreach s,$(TINY_SEEDS),--heterogeneous $(RUNS)/tiny-hetero/s$(s)/tiny-diloco-fp32,$(RUNS)/tiny-hetero/s$(s)/tiny-dumb-diloco-hetero)
 
 # SMOKE=1: the same runs, report and check, tiny, on CPU (what tests/test_replicate_gpu.py runs); the
 # report then goes beside the runs and the verdicts judge the pipeline, not the paper (a FAIL is expected).
