@@ -167,5 +167,5 @@ def test_labelled_runs_are_kept_side_by_side(tmp_path, name):
     record = json.loads((tmp_path / f"{key}.json").read_text())
     assert record["name"] == key and set(record["runs"]) == {"before", "after"}
     for run in record["runs"].values():
-        assert run["machine"]["cpu"] and run["commit"] and run["rows"]
+        assert run["machine"]["cpu"] and run["bench_commit"] and run["command"]
     assert "before" in (tmp_path / f"{key}.md").read_text()
