@@ -34,3 +34,10 @@ def test_without_an_emulated_step_only_a_slow_shard_sleeps_its_slowdown_on_its_w
     assert 0.2 + slow.rest(0.2) == pytest.approx(2.5 * 0.2)
     assert fast.rest(0.2) == 0.0
     assert slow.summary() == fast.summary() == {}
+
+
+def test_the_training_loop_paces_only_when_something_is_injected():
+    assert not InjectedPace(train(slowdown=1.0), slow=True).active
+    assert not InjectedPace(train(slowdown=2.0), slow=False).active
+    assert InjectedPace(train(slowdown=2.0), slow=True).active
+    assert InjectedPace(train(slowdown=1.0, step_seconds=0.25), slow=False).active

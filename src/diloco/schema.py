@@ -51,7 +51,7 @@ class TrainConfig:
     # DumbDiLoCo node's data.shard) sleep after each step so that a step takes `slowdown` times as long
     slowdown: float = 1.0
     # > 0: every step takes at least this many seconds (a slow shard's: slowdown x this), emulating nodes with
-    # hardware of their own on shared cores (train.InjectedPace); 0: only the slow shards sleep
+    # hardware of their own on shared cores (timing.InjectedPace); 0: only the slow shards sleep
     step_seconds: float = 0.0
     slow_shards: list[int] = field(default_factory=list)
 

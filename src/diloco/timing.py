@@ -31,6 +31,7 @@ class InjectedPace:
         self.factor = train.slowdown if slow else 1.0
         self.floor = self.factor * train.step_seconds
         self.steps = self.over = 0
+        self.active = self.floor > 0 or self.factor > 1  # else the training loop never calls rest()
 
     def rest(self, busy: float) -> float:
         self.steps += 1

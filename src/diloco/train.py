@@ -212,8 +212,8 @@ def run(cfg: DictConfig) -> int:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            if rest := pace.rest(time.perf_counter() - t0):  # injected heterogeneity (experiments)
-                time.sleep(rest)
+            if pace.active:  # injected heterogeneity (experiments only)
+                time.sleep(pace.rest(time.perf_counter() - t0))
             step_seconds = time.perf_counter() - t0
             clock.inner_seconds += step_seconds
             window_tokens += tokens_per_step
