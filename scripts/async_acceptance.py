@@ -143,7 +143,7 @@ def main() -> None:
         + " ".join(f"--horizon {h}" for h in args.horizon)
         + f" --seeds {' '.join(map(str, args.seeds))}",
         "commit": _git("rev-parse", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain")),
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),  # as metrics.py
         "machine": f"{platform.node()} {platform.machine()}",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "bar": BAR,

@@ -148,7 +148,7 @@ def main() -> None:
         + " ".join(map(str, args.seeds))
         + (" --dumb" if args.dumb else ""),
         "commit": _git("rev-parse", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain")),
+        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),  # as metrics.py
         "machine": f"{platform.node()} {platform.machine()}",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "configs": rows,
