@@ -24,7 +24,6 @@ import argparse
 import json
 import platform
 import re
-import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,10 +32,6 @@ import bench_common as bc
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"sync": "tiny-diloco-fp32", "dumb": "tiny-dumb-diloco-node-0"}
 BAR = 0.03
-
-
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
 def read(prefix: str, seed: int, kind: str) -> dict:
@@ -142,8 +137,7 @@ def main() -> None:
         "command": "python scripts/async_acceptance.py "
         + " ".join(f"--horizon {h}" for h in args.horizon)
         + f" --seeds {' '.join(map(str, args.seeds))}",
-        "commit": _git("rev-parse", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),  # as metrics.py
+        **bc.head(),
         "machine": f"{platform.node()} {platform.machine()}",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "bar": BAR,

@@ -114,6 +114,13 @@ def commit() -> str:
         return "unknown"
 
 
+def head() -> dict:
+    """A record's "commit" and "dirty" by `commit`'s rule (tracked files outside results/; untracked files
+    do not count, as in every run's own git_commit)."""
+    sha = commit()
+    return {"commit": sha.removesuffix("-dirty"), "dirty": sha.endswith("-dirty")}
+
+
 def provenance(command: str) -> dict:
     """What a results record starts with: the command, when, the machine, and the commit it was written at."""
     return {

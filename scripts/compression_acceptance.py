@@ -21,7 +21,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -37,10 +36,6 @@ BARS = {
     "tiny-diloco-stream-p4-int4": ("Streaming, P=4, tau=1, alpha=0.5, 4-bit", None, None, None),
 }
 DUMB = {"float32": "tiny-dumb-diloco-node-0", "int4": "tiny-dumb-diloco-int4-node-0"}
-
-
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
 def read(run_dir: Path) -> dict:
@@ -147,8 +142,7 @@ def main() -> None:
         "command": f"python scripts/compression_acceptance.py --runs {args.runs} --seeds "
         + " ".join(map(str, args.seeds))
         + (" --dumb" if args.dumb else ""),
-        "commit": _git("rev-parse", "HEAD"),
-        "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),  # as metrics.py
+        **bc.head(),
         "machine": f"{platform.node()} {platform.machine()}",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "configs": rows,
