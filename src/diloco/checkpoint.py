@@ -2,20 +2,21 @@
 and the distributed strategy's own state (global weights, outer momentum, ...), one file per rank.
 
 Layout: <run_dir>/checkpoints/step_<N>/rank<R>.pt + meta.json (written last: a directory without it
-is incomplete and ignored). Files are written to a temporary name and renamed, so a crash or Ctrl+C
-never leaves a half-written checkpoint behind. Only this run's own files are ever `torch.load`-ed,
+is incomplete and ignored). Files go through `files.write_atomic` (temporary name, fsync, rename), so a
+crash or Ctrl+C never leaves a half-written checkpoint behind. Only this run's own files are ever `torch.load`-ed,
 and then with `weights_only=True`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
 
 import torch
+
+from .files import write_atomic, write_atomic_with
 
 
 class CheckpointError(RuntimeError):
@@ -48,14 +49,10 @@ def save(run_dir: Path, step: int, rank: int, state: dict, meta: dict, barrier, 
     """Every rank writes its own file; rank 0 marks the directory complete after all have written."""
     d = _step_dir(run_dir, step)
     d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f"rank{rank}.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, d / f"rank{rank}.pt")
+    write_atomic_with(d / f"rank{rank}.pt", lambda f: torch.save(state, f))
     barrier()
     if rank == 0:
-        tmp_meta = d / "meta.json.tmp"
-        tmp_meta.write_text(json.dumps({"step": step, **meta}, indent=2) + "\n")
-        os.replace(tmp_meta, d / "meta.json")
+        write_atomic(d / "meta.json", json.dumps({"step": step, **meta}, indent=2) + "\n")
         _prune(Path(run_dir) / "checkpoints", keep)
     barrier()
     return d

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from .files import write_atomic
+
 log = logging.getLogger("diloco")
 
 
@@ -114,7 +116,7 @@ class RunLogger:
                         keep.append(line)
                 except json.JSONDecodeError:
                     break  # a torn last line from a crash
-        self.path.write_text("".join(line + "\n" for line in keep))
+        write_atomic(self.path, "".join(line + "\n" for line in keep))  # a crash here keeps the old history
 
     def _init_wandb(self, config: dict, wandb_cfg, resume_step: int | None) -> None:
         """One W&B run per training run. After a resume from step N its history is rewound to N
@@ -129,7 +131,7 @@ class RunLogger:
             id_file = self.run_dir / "wandb_id.txt"
             resumed = resume_step is not None and id_file.exists()
             run_id = id_file.read_text().strip() if resumed else uuid.uuid4().hex[:12]
-            id_file.write_text(run_id)
+            write_atomic(id_file, run_id)
             kwargs = dict(
                 project=wandb_cfg.project,
                 entity=wandb_cfg.get("entity"),
@@ -181,9 +183,7 @@ class RunLogger:
     def write_summary(self, summary: dict) -> None:
         if not self.enabled:
             return
-        tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        os.replace(tmp, self.run_dir / "summary.json")
+        write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
         if self._wandb is not None:
             try:
                 flat = {k: v for k, v in summary.items() if isinstance(v, int | float | str)}

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..files import fsync_dir, write_atomic, write_durable
 from .store import (
     CTRL_DIR,
     FileTooLarge,
@@ -46,37 +47,6 @@ class _Version:
     entry: str  # file name inside the index directory
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    """Replace `path` with `data` atomically and durably: a temporary file in the same directory,
-    fsynced, renamed over `path`, then the directory fsynced. A crash leaves the old or the new file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:16]}.tmp")
-    try:
-        _write_durable(tmp, data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
-
-
 class DirectoryTransport:
     """Transport over a shared directory; on-disk scheme: docs/dumb_diloco.md#stores."""
 
@@ -98,7 +68,7 @@ class DirectoryTransport:
             for d in (self._files, self._log_dir, self._tmp):
                 d.mkdir(parents=True, exist_ok=True)
             genesis = self._tmp / f"genesis.{uuid.uuid4().hex}"
-            _write_durable(genesis, json.dumps({"rev": 0, "unit": "0" * 16, "time": time.time()}).encode())
+            write_durable(genesis, json.dumps({"rev": 0, "unit": "0" * 16, "time": time.time()}).encode())
             with contextlib.suppress(FileExistsError):
                 os.link(genesis, self._log_path(0))
             genesis.unlink()
@@ -279,10 +249,10 @@ class DirectoryTransport:
                 index_dir = self._files / parent_dir if parent_dir else self._files
                 index_dir.mkdir(parents=True, exist_ok=True)
                 tmp = index_dir / f".{name}.{unit}.tmp"
-                _write_durable(tmp, data)
+                write_durable(tmp, data)
                 staged.append((path, index_dir, tmp, path in delete))
             for index_dir in {s[1] for s in staged}:
-                _fsync_dir(index_dir)
+                fsync_dir(index_dir)
             rev = self._commit(files, delete, staged, unit, message, parent)
         except BaseException:
             for _, _, tmp, _ in staged:
@@ -328,14 +298,14 @@ class DirectoryTransport:
             record = {"rev": rev, "unit": unit, "parent": head, "time": time.time(), "message": message}
             record |= {"files": {p: len(d) for p, d in files.items()}, "deleted": list(delete)}
             tmp = self._tmp / f"log.{unit}.{rev}"
-            _write_durable(tmp, json.dumps(record).encode())
+            write_durable(tmp, json.dumps(record).encode())
             try:
                 os.link(tmp, self._log_path(rev))  # the commit point: fails if another writer got here first
             except FileExistsError:
                 continue
             finally:
                 tmp.unlink()
-            _fsync_dir(self._log_dir)
+            fsync_dir(self._log_dir)
             return rev
 
     def _check_no_type_clash(self, path: str, head: int) -> None:

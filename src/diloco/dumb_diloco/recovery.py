@@ -22,8 +22,8 @@ import torch
 
 from diloco.outer import OuterOptimizer
 
+from ..files import write_atomic
 from .aggregation import is_delta_tensor
-from .directory import write_atomic
 from .tensor_format import InvalidTensorFile, decode, encode
 from .transport import RemoteNotFound, Transport
 

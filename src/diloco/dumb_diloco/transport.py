@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from urllib.parse import unquote, urlparse
 
-from .directory import DirectoryTransport, write_atomic
+from ..files import write_atomic
+from .directory import DirectoryTransport
 from .hub import HUB_REPO_ID_RE, HubTransport, RetryPolicy, deadline, time_left
 from .store import (
     FileTooLarge,
