@@ -6,19 +6,27 @@ torchrun already gives the ranks their own sessions and passes a Ctrl+C or SIGTE
 once (they finish the step, write a checkpoint, print "resume with the same command" and exit 130),
 but then it raises SignalException and exits 1 under a traceback. Here that stop ends in exit 130,
 with the ranks' own line as the last word. Ranks that all stop on a user error (exit 2, the one line
-already printed by rank 0) end in exit 2, without torchrun's ChildFailedError report. Any other
-failure is torchrun's own report, unchanged.
+already printed by rank 0) end in exit 2, without torchrun's ChildFailedError report. A rendezvous
+store that went away (node 0, which hosts it, died) is one line and exit 2, not the agent's tracebacks
+and C++ stack frames. The ranks die with this launcher (diloco.distributed.die_with_launcher). Any other failure is torchrun's own report, unchanged.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
-from torch.distributed import run as torchrun
-from torch.distributed.elastic.multiprocessing import api
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+# read once, when torch loads: the launcher's own C++ warnings (its store connection lost, with C++
+# frames) stay quiet; main() gives the ranks the level they would have had
+_RANKS_CPP_LOG_LEVEL = os.environ.get("TORCH_CPP_LOG_LEVEL")
+os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+
+from torch.distributed import run as torchrun  # noqa: E402
+from torch.distributed.elastic.multiprocessing import api  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError  # noqa: E402
 
 STOPPED, USER_ERROR = 130, 2  # the exit codes of diloco.train
 
@@ -47,20 +55,30 @@ class _ExpectedExits(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
         expected = msg.startswith("failed (exitcode") and record.args
-        return not (expected and record.args[0] in (STOPPED, USER_ERROR)) and not msg.startswith(
-            "Sending process"
-        )
+        routine = msg.startswith("Sending process") or "has failed to shutdown the rendezvous" in msg
+        return not (expected and record.args[0] in (STOPPED, USER_ERROR)) and not routine
 
 
 def main(argv: list[str] | None = None) -> int:
     # looked up when torchrun starts the ranks (PContext.start), so replacing it here is enough
     api._terminate_process_handler = _quiet_on_stop(api._terminate_process_handler)
-    logging.getLogger(api.__name__).addFilter(_ExpectedExits())
+    for name in (api.__name__, "torch.distributed.elastic.rendezvous.dynamic_rendezvous"):
+        logging.getLogger(name).addFilter(_ExpectedExits())
+    os.environ.pop("TORCH_CPP_LOG_LEVEL", None)  # what the ranks inherit
+    if _RANKS_CPP_LOG_LEVEL is not None:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = _RANKS_CPP_LOG_LEVEL
+    os.environ["DILOCO_LAUNCHER_PID"] = str(os.getpid())
     args = torchrun.parse_args(argv)
     try:
         torchrun.run(args)
     except api.SignalException:
         return STOPPED
+    except RendezvousConnectionError:  # its ranks are stopped by now (the agent's shutdown)
+        where = args.rdzv_endpoint or "node 0"
+        print(
+            f"error: the rendezvous store at {where} is gone (node 0 died or is unreachable)", file=sys.stderr
+        )
+        return USER_ERROR
     except ChildFailedError as e:
         codes = {f.exitcode for f in e.failures.values()}
         # torchrun ends the other ranks (SIGTERM, then SIGKILL) as soon as one exits: whichever got there

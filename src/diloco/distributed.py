@@ -4,10 +4,12 @@ about ranks; the model and the data pipeline are given a shard index and nothing
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import logging
 import os
 import signal
+import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,6 +52,23 @@ class DistContext:
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_launcher() -> None:
+    """torchrun starts each rank in a session of its own, so a node's launcher killed with its process
+    group (a lost node, `kill -9 -<pgid>`) would leave the rank training on as an orphan, its peers none
+    the wiser. Under scripts/launch_ranks.py (it names itself in DILOCO_LAUNCHER_PID and starts the ranks
+    from its main thread, which the kernel's parent-death signal is tied to), Linux kills the rank when
+    its launcher dies, or at once if the launcher died while the rank was starting."""
+    launcher = os.environ.get("DILOCO_LAUNCHER_PID")
+    if sys.platform != "linux" or not launcher:
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(launcher):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def pick_device(device: str, index: int) -> torch.device:
@@ -137,6 +156,8 @@ def init_distributed(cfg) -> DistContext:
     dcfg = cfg.distributed
     check_distributed(dcfg)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if launched_by_torchrun():
+        die_with_launcher()
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         return DistContext(local_rank=local_rank, device=pick_device(cfg.device, local_rank))
     if dcfg.mode == "none":
