@@ -143,7 +143,10 @@ def check_or_write(name: str, about: str, config: dict, got: dict) -> None:
         if exact
         else f"to rel {REL_ELSEWHERE:g} (recorded with {want['torch']}, {want['cpu_capability']})"
     )
-    assert not problems, f"{name} is not {path.name}, compared {where}:\n" + "\n".join(problems[:20])
+    if problems:
+        pytest.fail(
+            f"{name} is not {path.name}, compared {where}:\n" + "\n".join(problems[:20]), pytrace=False
+        )
 
 
 # ------------------------------------------------------------------------------------------- the trainer
@@ -158,6 +161,7 @@ def trainer_runs(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # 2 processes
 @pytest.mark.parametrize("name", list(TRAINER_RUNS))
 def test_trainer_trajectory_is_the_golden_one(trainer_runs, name):
     from golden_runs import COMMON
