@@ -10,6 +10,10 @@
 - `quantizer_codes` is diloco.quant's int8 and int4 payloads of a fixed tensor.
 - `fingerprint` is what the fixtures keep of a model: per-tensor float64 sum and L2 norm, and a SHA-256
   of the float32 bytes of every tensor, in name order.
+
+This driver may follow the code's API when it changes (a constructor's arguments, a renamed attribute);
+the runs it drives, and so tests/golden/*.json, may not: see tests/test_golden.py for when they can be
+rewritten.
 """
 
 from __future__ import annotations
