@@ -117,6 +117,7 @@ def check_or_write(name: str, about: str, config: dict, got: dict) -> None:
     """Compare `got` with tests/golden/<name>.json, or write it there under DILOCO_WRITE_GOLDEN=1."""
     path = GOLDEN / f"{name}.json"
     if WRITE:
+        test_the_code_under_test_is_this_checkout()  # a recording of another checkout's code is refused
         GOLDEN.mkdir(exist_ok=True)
         record = {"name": name, "about": about, "commit": commit(), **platform(), "config": config, **got}
         path.write_text(json.dumps(record, indent=1) + "\n")
