@@ -42,7 +42,8 @@ import torch
 import diloco
 from diloco.dumb_diloco.master import OuterLoop
 from diloco.dumb_diloco.recovery import MasterState
-from diloco.dumb_diloco.tensor_format import DeltaMeta, delta_path, encode, parse_header
+from diloco.dumb_diloco.repo_paths import delta_path
+from diloco.dumb_diloco.tensor_format import DeltaMeta, encode, parse_header
 from diloco.dumb_diloco.transport import DirectoryTransport
 
 TARGET = 2.0

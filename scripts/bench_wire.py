@@ -30,6 +30,7 @@ import torch
 
 from diloco.dumb_diloco import tensor_format as tf
 from diloco.dumb_diloco.aggregation import pseudo_gradient
+from diloco.dumb_diloco.repo_paths import delta_path
 from diloco.dumb_diloco.transport import DirectoryTransport
 
 
@@ -84,7 +85,7 @@ def bench_dtype(dtype: torch.dtype, delta32: dict, tmp: Path, args) -> tuple[lis
     size = len(blob)
     plain = tmp / f"plain-{name}.bin"
     transport = DirectoryTransport(tmp / f"repo-{name}", keep_old_versions_s=0.0)
-    path = tf.delta_path("bench", 500)
+    path = delta_path("bench", 500)
     m = {}
     m["encode"] = bc.measure(lambda: tf.encode(delta, meta), r, w)
     m["sha256"] = bc.measure(lambda: hashlib.sha256(memoryview(blob)[size - payload :]).hexdigest(), r, w)
@@ -162,7 +163,7 @@ def hub_header_check(delta32: dict, tmp: Path) -> dict:
 
     meta = tf.DeltaMeta(node_id="bench", local_step=500, base_outer_step=1).to_header()
     blob = tf.encode(delta32, meta)
-    path = tf.delta_path("bench", 500)
+    path = delta_path("bench", 500)
     saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "HF_HOME")}
     os.environ.pop("HF_HUB_OFFLINE", None)  # offline mode refuses even loopback requests
     os.environ["HF_HOME"] = str(tmp / "hf_home")  # no real token or cache is used

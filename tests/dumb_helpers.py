@@ -11,17 +11,11 @@ import torch
 
 from diloco.dumb_diloco.master import OuterLoop
 from diloco.dumb_diloco.recovery import MasterState
+from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, delta_path
 from diloco.dumb_diloco.settings import Settings
 from diloco.dumb_diloco.store import Transport
 from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.tensor_format import (
-    GLOBAL_STEP_PATH,
-    GLOBAL_WEIGHTS_PATH,
-    DeltaMeta,
-    delta_path,
-    encode,
-    parse_header,
-)
+from diloco.dumb_diloco.tensor_format import DeltaMeta, encode, parse_header
 from diloco.dumb_diloco.transport import DirectoryTransport, TransientError
 
 LR, MU = 0.7, 0.9  # the spec's outer optimizer

@@ -16,7 +16,8 @@ from dumb_helpers import Spy, make_loop, put_delta
 from diloco.dumb_diloco.aggregation import RunningSum, average
 from diloco.dumb_diloco.master import OuterLoop
 from diloco.dumb_diloco.recovery import MasterState
-from diloco.dumb_diloco.tensor_format import InvalidTensorFile, decode, delta_path, encode
+from diloco.dumb_diloco.repo_paths import delta_path
+from diloco.dumb_diloco.tensor_format import InvalidTensorFile, decode, encode
 from diloco.dumb_diloco.transport import DirectoryTransport, ReadsInto
 
 pytestmark = pytest.mark.usefixtures("no_network")

@@ -17,9 +17,10 @@ from trainer_utils import compose_cfg, read_metrics, train
 
 from diloco.config import ConfigError, validate
 from diloco.distributed import DistContext, LocalTraining
+from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH
 from diloco.dumb_diloco.settings import Settings
 from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, decode
+from diloco.dumb_diloco.tensor_format import decode
 from diloco.dumb_diloco.transport import DirectoryTransport
 
 pytestmark = pytest.mark.usefixtures("no_network")

@@ -29,7 +29,8 @@ import pytest
 import torch
 from trainer_utils import compose_cfg
 
-from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, decode, parse_delta_path
+from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, parse_delta_path
+from diloco.dumb_diloco.tensor_format import decode
 from diloco.dumb_diloco.transport import DirectoryTransport, HubTransport
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_network")]

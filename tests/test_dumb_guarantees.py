@@ -17,8 +17,9 @@ from dumb_helpers import W0, Spy, Tiny, g, make_loop, put_delta, settings, worke
 
 from diloco.dumb_diloco.intake import final_marker_path
 from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, LEASE_PATH
+from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH, delta_path
 from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH, delta_path, encode
+from diloco.dumb_diloco.tensor_format import encode
 from diloco.dumb_diloco.transport import DirectoryTransport, RemoteFile
 
 pytestmark = pytest.mark.usefixtures("no_network")

@@ -182,7 +182,8 @@ def proc_reader(repo: str, min_checks: int, min_steps: int) -> None:
     """Poll global/step_count.json and global/latest.safetensors at one revision, as installers do, until
     `min_checks` pairs were compared and `min_steps` distinct outer steps seen (publications happened
     while reading), or DEADLINE passed; exit 1 at the first pair of different rounds."""
-    from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, decode
+    from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH
+    from diloco.dumb_diloco.tensor_format import decode
     from diloco.dumb_diloco.transport import RemoteNotFound
 
     t = _transport(repo, create=False)
@@ -270,7 +271,7 @@ def _ready(repo: str) -> bool:
 
 
 def published_step(repo) -> int:
-    from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH
+    from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH
     from diloco.dumb_diloco.transport import RemoteNotFound
 
     try:
@@ -309,7 +310,8 @@ def replay(repo, node_state) -> None:
 
     from diloco.dumb_diloco.aggregation import average as _average
     from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, GLOBAL_MOMENTUM_PATH, MasterState
-    from diloco.dumb_diloco.tensor_format import GLOBAL_WEIGHTS_PATH, decode, delta_path, parse_delta_path
+    from diloco.dumb_diloco.repo_paths import GLOBAL_WEIGHTS_PATH, delta_path, parse_delta_path
+    from diloco.dumb_diloco.tensor_format import decode
 
     ledger = json.loads(repo.read(GLOBAL_LEDGER_PATH))
     entries = ledger["entries"]
@@ -389,7 +391,7 @@ def _repo(tmp_path, kind):
 @pytest.mark.slow
 def test_second_master_refuses_while_the_lease_is_fresh_then_takes_over(tmp_path):
     from diloco.dumb_diloco.recovery import LEASE_PATH
-    from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH
+    from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH
     from diloco.dumb_diloco.transport import DirectoryTransport
 
     repo_dir = str(tmp_path / "repo")

@@ -18,9 +18,10 @@ from diloco.dumb_diloco.recovery import (
     MasterState,
     lease_holder,
 )
+from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, delta_path
 from diloco.dumb_diloco.settings import DumbDiLoCoError
 from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, decode, delta_path
+from diloco.dumb_diloco.tensor_format import decode
 from diloco.dumb_diloco.transport import DirectoryTransport
 
 pytestmark = pytest.mark.usefixtures("no_network")

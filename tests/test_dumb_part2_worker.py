@@ -10,9 +10,10 @@ import pytest
 import torch
 from dumb_helpers import FakeClock, Tiny, nudge, publish, settings, worker
 
+from diloco.dumb_diloco.repo_paths import delta_path
 from diloco.dumb_diloco.settings import DumbDiLoCoError
 from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.tensor_format import decode, delta_path
+from diloco.dumb_diloco.tensor_format import decode
 from diloco.dumb_diloco.transport import DirectoryTransport
 
 pytestmark = pytest.mark.usefixtures("no_network")

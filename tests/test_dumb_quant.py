@@ -23,9 +23,10 @@ from diloco.config import ConfigError, validate
 from diloco.dumb_diloco.delta_codec import DeltaCodec, wire_layout
 from diloco.dumb_diloco.intake import Intake
 from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, delta_layout
+from diloco.dumb_diloco.repo_paths import delta_path
 from diloco.dumb_diloco.settings import Settings
 from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.tensor_format import DeltaMeta, delta_path, encode, parse_header
+from diloco.dumb_diloco.tensor_format import DeltaMeta, encode, parse_header
 from diloco.dumb_diloco.transport import DirectoryTransport
 from diloco.quant import dequantize, payload_bytes, quantize
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 from mp_utils import run_ranks
 
-from diloco.dumb_diloco.tensor_format import decode, delta_path
+from diloco.dumb_diloco.repo_paths import delta_path
+from diloco.dumb_diloco.tensor_format import decode
 
 pytestmark = pytest.mark.usefixtures("no_network")
 
@@ -177,7 +178,7 @@ def test_a_master_node_and_a_worker_node_of_two_ranks_each(tmp_path, kind):
     import json
     import os
 
-    from diloco.dumb_diloco.tensor_format import parse_delta_path
+    from diloco.dumb_diloco.repo_paths import parse_delta_path
     from diloco.dumb_diloco.transport import DirectoryTransport, HubTransport
 
     token = "hf_NodeRanksTestToken0123456789"

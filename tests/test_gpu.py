@@ -67,7 +67,8 @@ def test_resume_on_the_device_continues_the_run(tmp_path):
 
 def test_dumb_diloco_master_and_worker_on_the_device(tmp_path):
     """A master and a worker (two processes) on the device exchange deltas through a directory."""
-    from diloco.dumb_diloco.tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, decode
+    from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH
+    from diloco.dumb_diloco.tensor_format import decode
     from diloco.dumb_diloco.transport import DirectoryTransport
 
     repo = tmp_path / "repo"

@@ -30,7 +30,8 @@ from trainer_utils import compose_cfg
 
 from diloco.dumb_diloco.aggregation import average
 from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, GLOBAL_MOMENTUM_PATH, MasterState
-from diloco.dumb_diloco.tensor_format import GLOBAL_WEIGHTS_PATH, decode, delta_path, parse_delta_path
+from diloco.dumb_diloco.repo_paths import GLOBAL_WEIGHTS_PATH, delta_path, parse_delta_path
+from diloco.dumb_diloco.tensor_format import decode
 from diloco.dumb_diloco.transport import DirectoryTransport, HubTransport
 from diloco.model import build_model
 

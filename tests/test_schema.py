@@ -38,17 +38,57 @@ def test_every_modes_values_are_validated(choice, override, key):
         validate(compose_cfg([choice, *(PLACEHOLDERS if "dumb" in choice else []), override]))
 
 
-def test_a_bad_value_stops_in_one_line_before_anything_is_built(tmp_path):
+@pytest.mark.parametrize(
+    ("overrides", "line"),
+    [
+        (  # a range error: validate, after composing
+            ["experiment=tiny/diloco_fp32", "distributed.outer_momentum=1.0"],
+            "error: distributed.outer_momentum must be a number >= 0 and < 1, got 1.0",
+        ),
+        (  # a type error: found while composing (Hydra's own message is five lines and exit 1)
+            ["experiment=tiny/diloco_fp32", "train.max_steps=abc"],
+            "error: train.max_steps must be an integer, got 'abc'",
+        ),
+        (
+            ["distributed=dumb_diloco", "distributed.collaborators=w1"],
+            "error: distributed.collaborators must be a list, e.g. '[a,b]', got 'w1'",
+        ),
+    ],
+)
+def test_a_bad_value_stops_in_one_line_before_anything_is_built(tmp_path, overrides, line):
     proc = subprocess.run(
-        [sys.executable, "-m", "diloco.train", "experiment=tiny/diloco_fp32", f"out_dir={tmp_path}",
-         "distributed.outer_momentum=1.0"],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
+        [sys.executable, "-m", "diloco.train", *overrides, f"out_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "error: distributed.outer_momentum must be a number >= 0 and < 1, got 1.0"
-    ]
+    assert proc.stderr.strip().splitlines() == [line]
     assert not any(tmp_path.iterdir())  # no run folder, no log: nothing was built
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.micro_batch_size=1.5"], "train.micro_batch_size must be an integer, got '1.5'"),
+        (
+            ["distributed=diloco", "distributed.nesterov=maybe"],
+            "distributed.nesterov must be true or false, got 'maybe'",
+        ),
+        (
+            ["distributed=diloco", "distributed.outer_lr=fast"],
+            "distributed.outer_lr must be a number, got 'fast'",
+        ),
+        (["data.shard=x"], "data.shard must be an integer or null, got 'x'"),
+        (["optim.betas=3"], "optim.betas must be a list, e.g. '[a,b]', got '3'"),
+        (["train.max_steps=30", "hydra.run.dir=/tmp/unused"], None),  # composes: Hydra's turn
+    ],
+)
+def test_a_type_error_on_the_command_line_names_the_key_and_the_type(overrides, message):
+    from diloco.config import check_command_line
+
+    assert check_command_line(overrides) == message
 
 
 @pytest.mark.parametrize("mode", sorted(schema.DISTRIBUTED_SCHEMAS))

@@ -17,16 +17,8 @@ from safetensors.torch import save as st_save
 
 from diloco.dumb_diloco import tensor_format as tf
 from diloco.dumb_diloco.aggregation import is_delta_tensor, pseudo_gradient
-from diloco.dumb_diloco.tensor_format import (
-    DeltaMeta,
-    InvalidTensorFile,
-    decode,
-    delta_path,
-    encode,
-    parse_delta_path,
-    parse_header,
-    validate_node_id,
-)
+from diloco.dumb_diloco.repo_paths import delta_path, parse_delta_path, validate_node_id
+from diloco.dumb_diloco.tensor_format import DeltaMeta, InvalidTensorFile, decode, encode, parse_header
 
 pytestmark = pytest.mark.usefixtures("no_network")
 CAP = 1 << 20

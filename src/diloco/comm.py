@@ -293,11 +293,13 @@ class Averager:
             return flat.clone(), None
         x, scales = flat, None
         if self.scaled:
-            absmax = torch.stack(torch._foreach_norm(list(flat.split(sizes)), ord=float("inf"))).float()
+            pieces = flat.split(sizes)
+            absmax = torch.stack([torch.linalg.vector_norm(t, ord=float("inf")) for t in pieces]).float()
             self.coll.all_reduce_(absmax, op="max", tag="fp16_scales")
             scales = list(power_of_two_scales(absmax, self.coll.size, self.wire).unbind())
             x = flat.clone()
-            torch._foreach_mul_(list(x.split(sizes)), scales)
+            for t, scale in zip(x.split(sizes), scales):
+                t.mul_(scale)
         fmax = torch.finfo(self.wire).max
         wire = x.clamp(-fmax, fmax).to(self.wire)
         self._measure(flat, x, wire, sizes, scales)
@@ -306,7 +308,8 @@ class Averager:
     def decode_(self, out: torch.Tensor, wire: torch.Tensor, sizes: list[int], scales) -> torch.Tensor:
         out.copy_(wire)  # -> float32
         if scales is not None:
-            torch._foreach_div_(list(out.split(sizes)), scales)  # exact: powers of two
+            for t, scale in zip(out.split(sizes), scales):
+                t.div_(scale)  # exact: powers of two
         return out
 
     def _measure(self, flat, scaled, wire, sizes, scales) -> None:

@@ -25,7 +25,8 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from diloco import schema
 from diloco.assets import register_resolvers  # noqa: F401  (configs use ${diloco_asset:...})
 
-# DiLoCo's pseudo-gradient wire dtypes (diloco.comm: the floats, all-reduced; diloco.quant: int8/int4, all-gathered)
+# DiLoCo's pseudo-gradient wire dtypes (diloco.comm: the floats, all-reduced; diloco.quant: int8/int4,
+# all-gathered)
 WIRE_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4")
 GLOBAL_COPY_DEVICES = ("cpu", "device")
 DUMB_DILOCO_ROLES = ("master", "worker", "single")
@@ -154,7 +155,51 @@ def check_command_line(args: list[str]) -> str | None:
             mode_keys = _schema_keys(schema.DISTRIBUTED_SCHEMAS[mode], "distributed.") if mode else {}
             if mode and key not in mode_keys:
                 return unknown_key_error(key, list(mode_keys), f"a key of distributed mode {mode}")
+    return type_error(overrides)
+
+
+def type_error(overrides: list[str]) -> str | None:
+    """A value of the wrong type for its key (`train.max_steps=abc`) in one line, found by composing the
+    config as Hydra is about to (whose own answer is five lines and exit 1); None when it composes, or
+    fails for another reason (Hydra reports that itself)."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import ValidationError
+
+    overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    try:
+        with initialize_config_module(config_module="diloco.configs", version_base="1.3"):
+            compose(config_name="config", overrides=overrides)
+    except ConfigCompositionException as e:
+        cause = e.__cause__
+        if not isinstance(cause, ValidationError) or not cause.full_key:
+            return None
+        node = cause.object_type
+        want = _kind(typing.get_type_hints(node).get(cause.key)) if dataclasses.is_dataclass(node) else None
+        values = [
+            o.partition("=")[2] for o in overrides if o.partition("=")[0].lstrip("+~") == cause.full_key
+        ]
+        if want is None:
+            return f"{cause.full_key}: {str(cause).splitlines()[0]}"
+        return f"{cause.full_key} must be {want}" + (f", got {values[-1]!r}" if values else "")
+    except Exception:
+        return None
     return None
+
+
+def _kind(t: Any) -> str | None:
+    """What a value of schema type `t` is, in words (None for a type without a short name)."""
+    args = typing.get_args(t)
+    if type(None) in args and len(args) == 2:  # Optional[X]
+        inner = _kind(next(a for a in args if a is not type(None)))
+        return f"{inner} or null" if inner else None
+    origin = typing.get_origin(t) or t
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if origin in (list, tuple):
+        return "a list, e.g. '[a,b]'"
+    if origin is dict:
+        return "a mapping, e.g. '{a: 1}'"
+    return names.get(origin)
 
 
 def _mode_of(group_choices: list[str]) -> str | None:
@@ -220,17 +265,16 @@ def typed(block: Any, node_type: type, prefix: str) -> Any:
 
 
 def _number(
-    block: Any,
     key: str,
-    prefix: str,
+    v: Any,
     lo: float,
     *,
     strict: bool = True,
     integer: bool = False,
     hi: float | None = None,
 ) -> None:
-    """block.key must be a finite number (an integer if asked) above lo (or at least lo) and below hi."""
-    v = getattr(block, key)
+    """The value `v` of the dotted `key` must be a finite number (an integer if asked) above lo (or at
+    least lo) and below hi."""
     ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
     ok = ok and (v > lo if strict else v >= lo) and (hi is None or v < hi)
     if not ok or (integer and not isinstance(v, int)):
@@ -238,14 +282,19 @@ def _number(
             want = "a positive number" if strict else "a non-negative number"
         else:
             want = f"{'an integer' if integer else 'a number'} {'>' if strict else '>='} {lo:g}"
-        raise ConfigError(f"{prefix}{key} must be {want}{f' and < {hi:g}' if hi else ''}, got {v!r}")
+        raise ConfigError(f"{key} must be {want}{f' and < {hi:g}' if hi else ''}, got {v!r}")
 
 
-def _one_of(block: Any, key: str, prefix: str, allowed: tuple[str, ...]) -> None:
-    v = getattr(block, key)
+def _one_of(key: str, v: Any, allowed: tuple[str, ...]) -> None:
+    """The value `v` of the dotted `key` must be one of `allowed`."""
     if v not in allowed:
         choices = f"{', '.join(allowed[:-1])} or {allowed[-1]}" if len(allowed) > 1 else allowed[0]
-        raise ConfigError(f"{prefix}{key} must be {choices}, got {v!r}")
+        raise ConfigError(f"{key} must be {choices}, got {v!r}")
+
+
+def _boolean(key: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        raise ConfigError(f"{key} must be true or false, got {v!r}")
 
 
 # --------------------------------------------------------------------------- the modes
@@ -264,96 +313,114 @@ def check_distributed(block: Any) -> Any:
         except OmegaConfBaseException as e:
             raise ConfigError(f"distributed: {str(e).splitlines()[0]}") from None
     d = typed(block, schema.DISTRIBUTED_SCHEMAS[mode], "distributed.")
-    p = "distributed."
     if mode in ("ddp", "diloco"):
-        _number(d, "timeout_seconds", p, 0)
+        _number("distributed.timeout_seconds", d.timeout_seconds, 0)
         if d.ddp_bucket_cap_mb is not None:
-            _number(d, "ddp_bucket_cap_mb", p, 0)
+            _number("distributed.ddp_bucket_cap_mb", d.ddp_bucket_cap_mb, 0)
     if mode == "ddp":
-        _number(d, "comm_log_every", p, 0, strict=False, integer=True)
+        _number("distributed.comm_log_every", d.comm_log_every, 0, strict=False, integer=True)
     if mode == "diloco":
-        _number(d, "inner_steps", p, 1, strict=False, integer=True)
-        _number(d, "outer_lr", p, 0)
-        _number(d, "outer_momentum", p, 0, strict=False, hi=1)
-        _check_quantization(d, p, WIRE_DTYPES)
-        _number(d, "fragments", p, 1, strict=False, integer=True, hi=d.inner_steps + 1)
-        _number(d, "overlap_steps", p, 0, strict=False, integer=True, hi=d.inner_steps)
-        _number(d, "fragment_alpha", p, 0, strict=False, hi=1)
-        _one_of(d, "global_copy_device", p, GLOBAL_COPY_DEVICES)
-        _number(d, "bucket_size_mb", p, 0)
-        _number(d, "cosine_sample_size", p, 0, strict=False, integer=True)
+        _number("distributed.inner_steps", d.inner_steps, 1, strict=False, integer=True)
+        _number("distributed.outer_lr", d.outer_lr, 0)
+        _number("distributed.outer_momentum", d.outer_momentum, 0, strict=False, hi=1)
+        _check_quantization(d, WIRE_DTYPES)
+        _number("distributed.fragments", d.fragments, 1, strict=False, integer=True, hi=d.inner_steps + 1)
+        _number("distributed.overlap_steps", d.overlap_steps, 0, strict=False, integer=True, hi=d.inner_steps)
+        _number("distributed.fragment_alpha", d.fragment_alpha, 0, strict=False, hi=1)
+        _one_of("distributed.global_copy_device", d.global_copy_device, GLOBAL_COPY_DEVICES)
+        _number("distributed.bucket_size_mb", d.bucket_size_mb, 0)
+        _number("distributed.cosine_sample_size", d.cosine_sample_size, 0, strict=False, integer=True)
         if d.ranks_per_worker is not None:
-            _number(d, "ranks_per_worker", p, 1, strict=False, integer=True)
+            _number("distributed.ranks_per_worker", d.ranks_per_worker, 1, strict=False, integer=True)
     if mode == "dumb_diloco":
         check_dumb_diloco(d)
     return d
 
 
-def _check_quantization(d: Any, p: str, dtypes: tuple[str, ...]) -> None:
-    _one_of(d, "pseudo_grad_dtype", p, dtypes)  # DiLoCo's and DumbDiLoCo's (both diloco.quant)
+def _check_quantization(d: Any, dtypes: tuple[str, ...]) -> None:
+    """DiLoCo's and DumbDiLoCo's pseudo-gradient codes (both diloco.quant)."""
+    _one_of("distributed.pseudo_grad_dtype", d.pseudo_grad_dtype, dtypes)
     if d.error_feedback and d.pseudo_grad_dtype not in ("int8", "int4"):
-        raise ConfigError(f"{p}error_feedback applies to pseudo_grad_dtype int8 or int4 only")
-    _number(d, "quant_block_size", p, 2, strict=False, integer=True)
+        raise ConfigError("distributed.error_feedback applies to pseudo_grad_dtype int8 or int4 only")
+    _number("distributed.quant_block_size", d.quant_block_size, 2, strict=False, integer=True)
     if d.quant_block_size % 2:
-        raise ConfigError(f"{p}quant_block_size must be even (4-bit codes are packed in pairs)")
+        raise ConfigError("distributed.quant_block_size must be even (4-bit codes are packed in pairs)")
 
 
 def check_dumb_diloco(d: Any) -> None:
     """Ranges of a typed DumbDiLoCo block (schema.DumbDiLoCoConfig or its runtime Settings)."""
-    from diloco.dumb_diloco.tensor_format import validate_node_id  # light: no torch.distributed, no Hub
+    from diloco.dumb_diloco.repo_paths import validate_node_id  # light: no torch.distributed, no Hub
 
-    p = "distributed."
-    _one_of(d, "role", p, DUMB_DILOCO_ROLES)
+    _one_of("distributed.role", d.role, DUMB_DILOCO_ROLES)
     for key, ids in (("node_id", [d.node_id]), ("collaborators", list(d.collaborators))):
         for node_id in ids:
             try:
                 validate_node_id(node_id)
             except ValueError as err:
-                raise ConfigError(f"{p}{key}: {err}") from None
+                raise ConfigError(f"distributed.{key}: {err}") from None
     if not isinstance(d.repo_id, str) or not d.repo_id.strip():
-        raise ConfigError(f"{p}repo_id must be a Hub repo id or a directory, got {d.repo_id!r}")
+        raise ConfigError(f"distributed.repo_id must be a Hub repo id or a directory, got {d.repo_id!r}")
     if d.token is not None and (not isinstance(d.token, str) or not d.token):
-        raise ConfigError(f"{p}token must be a string or null (prefer the HF_TOKEN environment variable)")
-    _number(d, "inner_steps", p, 1, strict=False, integer=True)
-    _number(d, "poll_interval", p, 0)
-    _number(d, "outer_lr", p, 0)
-    _number(d, "outer_momentum", p, 0, strict=False, hi=1)
-    _number(d, "startup_timeout", p, 0)
-    for key in ("shutdown_timeout", "drain_timeout", "lease_seconds", "expected_step_seconds",
-                "install_wait_seconds"):  # fmt: skip
-        _number(d, key, p, 0, strict=False)
-    _number(d, "request_timeout", p, 0)
-    for key in ("min_deltas_per_round", "keep_deltas", "max_pending_snapshots"):
-        _number(d, key, p, 0, strict=False, integer=True)
-    _number(d, "delayed_nesterov_period", p, 1, strict=False, integer=True)
-    _number(d, "timeout_seconds", p, 0)
-    _one_of(d, "install", p, ("replace", "translate"))
-    _one_of(d, "budget", p, ("local", "global"))
-    _check_quantization(d, p, ("float32", "int8", "int4"))  # what the master decodes (delta_codec)
-    for key, other, value, why in (
-        ("install_when_staged", "install", "translate", "a replace mid-round loses work"),
-        ("dynamic_local_steps", "budget", "global", "a slow node would train alone at the end"),
-    ):
-        if getattr(d, key) and getattr(d, other) != value:
-            raise ConfigError(f"{p}{key} needs {p}{other}={value} ({why})")
+        raise ConfigError(
+            "distributed.token must be a string or null (prefer the HF_TOKEN environment variable)"
+        )
+    _number("distributed.inner_steps", d.inner_steps, 1, strict=False, integer=True)
+    _number("distributed.poll_interval", d.poll_interval, 0)
+    _number("distributed.outer_lr", d.outer_lr, 0)
+    _number("distributed.outer_momentum", d.outer_momentum, 0, strict=False, hi=1)
+    _number("distributed.startup_timeout", d.startup_timeout, 0)
+    _number("distributed.shutdown_timeout", d.shutdown_timeout, 0, strict=False)
+    _number("distributed.drain_timeout", d.drain_timeout, 0, strict=False)
+    _number("distributed.lease_seconds", d.lease_seconds, 0, strict=False)
+    _number("distributed.expected_step_seconds", d.expected_step_seconds, 0, strict=False)
+    _number("distributed.install_wait_seconds", d.install_wait_seconds, 0, strict=False)
+    _number("distributed.request_timeout", d.request_timeout, 0)
+    _number("distributed.min_deltas_per_round", d.min_deltas_per_round, 0, strict=False, integer=True)
+    _number("distributed.keep_deltas", d.keep_deltas, 0, strict=False, integer=True)
+    _number("distributed.max_pending_snapshots", d.max_pending_snapshots, 0, strict=False, integer=True)
+    _number("distributed.delayed_nesterov_period", d.delayed_nesterov_period, 1, strict=False, integer=True)
+    _number("distributed.timeout_seconds", d.timeout_seconds, 0)
+    _one_of("distributed.install", d.install, ("replace", "translate"))
+    _one_of("distributed.budget", d.budget, ("local", "global"))
+    _check_quantization(d, ("float32", "int8", "int4"))  # what the master decodes (delta_codec)
+    if d.install_when_staged and d.install != "translate":
+        raise ConfigError(
+            "distributed.install_when_staged needs distributed.install=translate "
+            "(a replace mid-round loses work)"
+        )
+    if d.dynamic_local_steps and d.budget != "global":
+        raise ConfigError(
+            "distributed.dynamic_local_steps needs distributed.budget=global "
+            "(a slow node would train alone at the end)"
+        )
     wait = d.shutdown_timeout + (d.drain_timeout if d.role == "master" else 0)
     what = "drain_timeout + shutdown_timeout" if d.role == "master" else "shutdown_timeout"
     if d.timeout_seconds < wait:
         raise ConfigError(
-            f"{p}timeout_seconds ({d.timeout_seconds:g}) must be at least {what} ({wait:g}): a node's other "
-            "ranks wait that long for its rank 0 at the end"
+            f"distributed.timeout_seconds ({d.timeout_seconds:g}) must be at least {what} ({wait:g}): "
+            "a node's other ranks wait that long for its rank 0 at the end"
         )
     if d.max_file_bytes is not None:
-        _number(d, "max_file_bytes", p, 0, integer=True)
-    _number(d.retry, "max_attempts", p + "retry.", 1, strict=False, integer=True)
-    for key in ("base_delay_s", "max_delay_s", "max_total_s"):
-        _number(d.retry, key, p + "retry.", 0, strict=False)
-    for key in ("reset_inner_optimizer", "async_delta_upload", "async_global_poll", "publish_hf_config",
-                "staleness_weighting", "delayed_nesterov", "publish_master_state", "dynamic_local_steps"):  # fmt: skip
-        if not isinstance(getattr(d, key), bool):
-            raise ConfigError(f"{p}{key} must be true or false, got {getattr(d, key)!r}")
+        _number("distributed.max_file_bytes", d.max_file_bytes, 0, integer=True)
+    _number("distributed.retry.max_attempts", d.retry.max_attempts, 1, strict=False, integer=True)
+    _number("distributed.retry.base_delay_s", d.retry.base_delay_s, 0, strict=False)
+    _number("distributed.retry.max_delay_s", d.retry.max_delay_s, 0, strict=False)
+    _number("distributed.retry.max_total_s", d.retry.max_total_s, 0, strict=False)
+    _check_dumb_diloco_switches(d)
     if not d.state_dir:
-        raise ConfigError(f"{p}state_dir must be a directory path")
+        raise ConfigError("distributed.state_dir must be a directory path")
+
+
+def _check_dumb_diloco_switches(d: Any) -> None:
+    """A DumbDiLoCo block's booleans (the runtime Settings are not typed by OmegaConf)."""
+    _boolean("distributed.reset_inner_optimizer", d.reset_inner_optimizer)
+    _boolean("distributed.async_delta_upload", d.async_delta_upload)
+    _boolean("distributed.async_global_poll", d.async_global_poll)
+    _boolean("distributed.publish_hf_config", d.publish_hf_config)
+    _boolean("distributed.staleness_weighting", d.staleness_weighting)
+    _boolean("distributed.delayed_nesterov", d.delayed_nesterov)
+    _boolean("distributed.publish_master_state", d.publish_master_state)
+    _boolean("distributed.dynamic_local_steps", d.dynamic_local_steps)
 
 
 # --------------------------------------------------------------------------- the whole config
@@ -368,16 +435,23 @@ def validate(cfg: DictConfig) -> None:
     d = check_distributed(resolved.pop("distributed"))
     resolved.pop("hydra", None)
     c = typed(resolved, schema.Config, "")
-    for key in ("optim.lr", "train.batch_size", "train.micro_batch_size", "data.seq_len", "eval.tokens",
-                "eval.micro_batch_size", "optim.total_steps", "launch.ranks_per_gpu"):  # fmt: skip
-        block, name = key.split(".")
-        _number(getattr(c, block), name, f"{block}.", 0)
-    for key in ("optim.weight_decay", "optim.grad_clip", "optim.warmup_steps", "train.max_steps",
-                "train.log_every", "train.eval_every", "train.checkpoint_every"):  # fmt: skip
-        block, name = key.split(".")
-        _number(getattr(c, block), name, f"{block}.", 0, strict=False)
-    _number(c.train, "slowdown", "train.", 1, strict=False)  # a factor on a slow shard's step time
-    _number(c.train, "step_seconds", "train.", 0, strict=False)  # an emulated device's time per step
+    _number("optim.lr", c.optim.lr, 0)
+    _number("train.batch_size", c.train.batch_size, 0)
+    _number("train.micro_batch_size", c.train.micro_batch_size, 0)
+    _number("data.seq_len", c.data.seq_len, 0)
+    _number("eval.tokens", c.eval.tokens, 0)
+    _number("eval.micro_batch_size", c.eval.micro_batch_size, 0)
+    _number("optim.total_steps", c.optim.total_steps, 0)
+    _number("launch.ranks_per_gpu", c.launch.ranks_per_gpu, 0)
+    _number("optim.weight_decay", c.optim.weight_decay, 0, strict=False)
+    _number("optim.grad_clip", c.optim.grad_clip, 0, strict=False)
+    _number("optim.warmup_steps", c.optim.warmup_steps, 0, strict=False)
+    _number("train.max_steps", c.train.max_steps, 0, strict=False)
+    _number("train.log_every", c.train.log_every, 0, strict=False)
+    _number("train.eval_every", c.train.eval_every, 0, strict=False)
+    _number("train.checkpoint_every", c.train.checkpoint_every, 0, strict=False)
+    _number("train.slowdown", c.train.slowdown, 1, strict=False)  # a factor on a slow shard's step time
+    _number("train.step_seconds", c.train.step_seconds, 0, strict=False)  # an emulated device's time per step
     betas = list(c.optim.betas)
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {betas}")
@@ -388,15 +462,18 @@ def validate(cfg: DictConfig) -> None:
         )
     if c.train.max_steps > c.optim.total_steps:
         raise ConfigError(
-            f"train.max_steps={c.train.max_steps} runs past optim.total_steps={c.optim.total_steps}, where the "
-            "cosine schedule ends (it would climb back up): raise optim.total_steps"
+            f"train.max_steps={c.train.max_steps} runs past optim.total_steps={c.optim.total_steps}, "
+            "where the cosine schedule ends (it would climb back up): raise optim.total_steps"
         )
-    _one_of(c, "device", "", ("auto", "cpu", "cuda"))
-    _one_of(c, "precision", "", ("auto", "bf16", "fp32"))
+    _one_of("device", c.device, ("auto", "cpu", "cuda"))
+    _one_of("precision", c.precision, ("auto", "bf16", "fp32"))
     _check_data(c.data)
     _check_model(c.model)
-    if (n := c.data.seq_len) > (m := c.model.max_position_embeddings):
-        raise ConfigError(f"data.seq_len={n} exceeds model.max_position_embeddings={m}")
+    if c.data.seq_len > c.model.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_len={c.data.seq_len} exceeds "
+            f"model.max_position_embeddings={c.model.max_position_embeddings}"
+        )
     if d.mode == "diloco":
         _check_evaluated_steps_are_boundaries(c.train, d.inner_steps)
     if d.mode == "dumb_diloco":
@@ -408,17 +485,26 @@ def _check_dumb_diloco_run(cfg: DictConfig) -> None:
     else launch.nodes); on the Hub, a plan within the repository's commit limit (refused before it runs)."""
     from diloco.dumb_diloco.budget import config_budget, on_hub  # light: no Hub client
 
-    if cfg.distributed.get("budget") == "global" and (cfg.data.get("num_shards") or cfg.launch.nodes) == 1:
+    d = cfg.distributed
+    nodes = cfg.data.get("num_shards") or cfg.launch.nodes
+    if d.get("budget") == "global" and nodes == 1:
         raise ConfigError("distributed.budget=global needs nodes: data.num_shards or launch.nodes above 1")
-    verdict = budget.verdict() if (budget := config_budget(cfg)) is not None else None
-    if verdict and verdict[0] == "refuse" and on_hub((d := cfg.distributed).repo_id):
+    budget = config_budget(cfg)
+    if budget is None or not on_hub(d.repo_id):
+        return
+    verdict = budget.verdict()  # ("refuse" | "warn", why) or None
+    if verdict is not None and verdict[0] == "refuse":
         raise ConfigError(f"distributed.expected_step_seconds={d.expected_step_seconds:g}: {verdict[1]}")
 
 
 def _check_data(data: schema.DataConfig) -> None:
-    for key, choices in (("sharding", "iid|noniid"), ("noniid_key", "domain|page"), ("eval_subset", "all|report|tune")):  # fmt: skip
-        if (value := getattr(data, key)) not in choices.split("|"):
-            raise ConfigError(f"data.{key} must be {choices.replace('|', ' or ')}, got {value!r}")
+    for key, value, allowed in (
+        ("sharding", data.sharding, ("iid", "noniid")),
+        ("noniid_key", data.noniid_key, ("domain", "page")),
+        ("eval_subset", data.eval_subset, ("all", "report", "tune")),
+    ):
+        if value not in allowed:
+            raise ConfigError(f"data.{key} must be {' or '.join(allowed)}, got {value!r}")
     shard, num = data.shard, data.num_shards
     if (shard is None) != (num is None):
         raise ConfigError("data.shard and data.num_shards must be set together (or both null)")
@@ -427,9 +513,13 @@ def _check_data(data: schema.DataConfig) -> None:
 
 
 def _check_model(model: schema.ModelConfig) -> None:
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size", "max_position_embeddings"):  # fmt: skip
-        _number(model, key, "model.", 0, integer=True)
+    _number("model.hidden_size", model.hidden_size, 0, integer=True)
+    _number("model.num_hidden_layers", model.num_hidden_layers, 0, integer=True)
+    _number("model.num_attention_heads", model.num_attention_heads, 0, integer=True)
+    _number("model.num_key_value_heads", model.num_key_value_heads, 0, integer=True)
+    _number("model.intermediate_size", model.intermediate_size, 0, integer=True)
+    _number("model.vocab_size", model.vocab_size, 0, integer=True)
+    _number("model.max_position_embeddings", model.max_position_embeddings, 0, integer=True)
     hidden, heads, kv_heads = model.hidden_size, model.num_attention_heads, model.num_key_value_heads
     if hidden % heads:
         raise ConfigError(f"model.hidden_size={hidden} is not divisible by model.num_attention_heads={heads}")

@@ -55,29 +55,43 @@ def make_buckets(params: list[torch.Tensor], bucket_size_mb: float) -> list[list
     return buckets
 
 
-def fragment_buckets(
-    params: list[torch.Tensor], fragments: int, bucket_size_mb: float
-) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
-    """Streaming DiLoCo's fragments: P consecutive runs of equal size of the flattened parameters (a
-    tensor across a boundary is split into two flat views), each cut into buckets; returns the buckets
-    and, per fragment, its bucket indices. P=1: make_buckets(params)."""
+def _fragment_pieces(
+    params: list[torch.Tensor], fragments: int
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per fragment, its (piece, parameter) pairs: P consecutive runs of equal size of the flattened
+    parameters, a piece being the whole parameter or, across a boundary, its flat view in the fragment."""
     total, start = sum(p.numel() for p in params), 0
     if fragments > total:
         raise ValueError(f"fragments={fragments} is more than this model's {total} parameters")
     bounds = [f * total // fragments for f in range(fragments + 1)]
-    groups: list[list[torch.Tensor]] = [[] for _ in range(fragments)]
+    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(fragments)]
     for p in params:
         end = start + p.numel()
         for f in range(fragments):
             lo, hi = max(start, bounds[f]), min(end, bounds[f + 1])
             if lo < hi:  # the whole tensor, or its part in fragment f
-                groups[f].append(p if (lo, hi) == (start, end) else p.view(-1)[lo - start : hi - start])
+                pieces[f].append((p if (lo, hi) == (start, end) else p.view(-1)[lo - start : hi - start], p))
         start = end
+    return pieces
+
+
+def fragment_buckets(
+    params: list[torch.Tensor], fragments: int, bucket_size_mb: float
+) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
+    """Streaming DiLoCo's fragments (`_fragment_pieces`), each cut into buckets; returns the buckets
+    and, per fragment, its bucket indices. P=1: make_buckets(params)."""
     buckets, ids = [], []
-    for g in groups:
-        ids.append(list(range(len(buckets), len(buckets) + len(part := make_buckets(g, bucket_size_mb)))))
+    for pieces in _fragment_pieces(params, fragments):
+        part = make_buckets([piece for piece, _ in pieces], bucket_size_mb)
+        ids.append(list(range(len(buckets), len(buckets) + len(part))))
         buckets += part
     return buckets, ids
+
+
+def fragment_parameters(params: list[torch.Tensor], fragments: int) -> list[list[torch.Tensor]]:
+    """Per fragment, the parameters with elements in it (a split tensor is in two): whose inner
+    optimizer state a restart from the fragment's global weights resets."""
+    return [[p for _, p in pieces] for pieces in _fragment_pieces(params, fragments)]
 
 
 @dataclass
@@ -109,10 +123,24 @@ class DiLoCo:
         # DDP inside the worker; also checks that every rank holds the same shapes and initial weights
         inner = DataParallel(dcfg, ctx, model, group=ctx.worker_group)
         timeout = dcfg.timeout_seconds
-        keys = ("inner_steps", "outer_lr", "outer_momentum", "nesterov", "pseudo_grad_dtype", "fp16_scaling",
-                "error_feedback", "quant_block_size", "fragments", "overlap_steps", "fragment_alpha",
-                "global_copy_device", "reset_inner_optimizer",
-                "bucket_size_mb", "cosine_sample_size", "cosine_sample_seed")  # fmt: skip
+        keys = (
+            "inner_steps",
+            "outer_lr",
+            "outer_momentum",
+            "nesterov",
+            "pseudo_grad_dtype",
+            "fp16_scaling",
+            "error_feedback",
+            "quant_block_size",
+            "fragments",
+            "overlap_steps",
+            "fragment_alpha",
+            "global_copy_device",
+            "reset_inner_optimizer",
+            "bucket_size_mb",
+            "cosine_sample_size",
+            "cosine_sample_seed",
+        )
         cross, intra = (comm.group_collective(g, timeout) for g in (ctx.cross_group, ctx.worker_group))
         return cls(model, optimizer, cross, intra=intra, inner_strategy=inner, **{k: dcfg[k] for k in keys})
 
@@ -152,6 +180,7 @@ class DiLoCo:
         else:
             self.averager = comm.Averager(cross, pseudo_grad_dtype, fp16_scaling)
         self.buckets, self.fragments = fragment_buckets(list(model.parameters()), fragments, bucket_size_mb)
+        self._fragment_params = fragment_parameters(list(model.parameters()), fragments)
         # fragment f is synchronised at inner steps (f + 1) * H / P modulo H (P=1: every H steps)
         self._schedule = {(f + 1) * inner_steps // fragments % inner_steps: f for f in range(fragments)}
         self.overlap_steps, self.fragment_alpha = overlap_steps, fragment_alpha
@@ -249,7 +278,7 @@ class DiLoCo:
         with torch.no_grad():
             local = [[p.detach().to("cpu", copy=True) for p in params] for params in self.buckets]
             for params, theta in zip(self.buckets, self.global_params):
-                torch._foreach_copy_(params, _views(theta.to(self.device), params))
+                _copy_(params, _views(theta.to(self.device), params))
         try:
             yield
         finally:
@@ -282,7 +311,7 @@ class DiLoCo:
         params, theta = self.buckets[b], self.global_params[b]
         buf = self._pseudo_grads[b] if self._pseudo_grads else torch.empty(theta.numel(), device=self.device)
         if own:
-            torch._foreach_copy_(_views(buf, params), params)  # theta_i
+            _copy_(_views(buf, params), params)  # theta_i
             torch.sub(theta.to(self.device), buf, out=buf)  # theta_{t-1} - theta_i
         return buf
 
@@ -317,12 +346,13 @@ class DiLoCo:
         for b in self.fragments[fragment]:
             params, theta = self.buckets[b], _views(self.global_params[b].to(self.device), self.buckets[b])
             if self.fragment_alpha:
-                torch._foreach_lerp_(params, theta, 1.0 - self.fragment_alpha)
+                for p, t in zip(params, theta):
+                    p.lerp_(t, 1.0 - self.fragment_alpha)
             else:
-                torch._foreach_copy_(params, theta)
-            if self.reset_inner_optimizer:  # a split tensor's state is its parameter's (p._base)
-                for p in params:
-                    self.inner_optimizer.state.pop(p if p._base is None else p._base, None)
+                _copy_(params, theta)
+        if self.reset_inner_optimizer:  # a split tensor's state is its whole parameter's
+            for p in self._fragment_params[fragment]:
+                self.inner_optimizer.state.pop(p, None)
 
     def _round_metrics(self, norm: float) -> dict[str, float]:
         m = self.meter.finish(self.device)
@@ -378,7 +408,7 @@ class DiLoCo:
             raise CheckpointError(
                 "the checkpoint's DiLoCo buckets do not match this run's (bucket_size_mb changed?)"
             )
-        torch._foreach_copy_(self.global_params, state["global_params"])
+        _copy_(self.global_params, state["global_params"])
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.averager.load_state_dict(state.get("averager", {}), self.device)
         self.peak_bytes = int(state.get("peak_bytes", 0))
@@ -422,6 +452,11 @@ class DiLoCo:
 
     def _intra_bytes(self) -> int:  # this rank, inside its worker: DDP gradients + mean broadcasts
         return self.intra.sent.get("intra_worker", 0) + self._ddp_bytes()
+
+
+def _copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
 
 
 def _views(flat: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -153,8 +153,10 @@ class RunLogger:
                     log.warning(
                         "W&B cannot rewind run %s to step %d (%s); resuming it as is, so W&B keeps its "
                         "first values of steps it already has (metrics.jsonl is exact)",
-                        run_id, resume_step, str(e).splitlines()[0] if str(e) else type(e).__name__,
-                    )  # fmt: skip
+                        run_id,
+                        resume_step,
+                        str(e).splitlines()[0] if str(e) else type(e).__name__,
+                    )
                     self._wandb = wandb.init(**kwargs, resume="allow")
             else:
                 self._wandb = wandb.init(**kwargs, resume="allow")

@@ -27,17 +27,17 @@ _SHAPE_KEYS = (
 )
 
 
-def llama_config(model_cfg: DictConfig) -> LlamaConfig:
-    """A `model/*.yaml` entry (checked by diloco.config.validate) as a LlamaConfig."""
+def llama_config(model_cfg: DictConfig, **extra) -> LlamaConfig:
+    """A `model/*.yaml` entry (checked by diloco.config.validate) as a LlamaConfig; `extra` goes to
+    LlamaConfig as it is (attn_implementation=...)."""
     kwargs = {k: model_cfg[k] for k in _SHAPE_KEYS}
     # pad = eos = </s> (id 2) and bos = <s> (id 1), as in the Mistral-7B tokenizer and the bundled sample's.
-    return LlamaConfig(**kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=2, use_cache=False)
+    return LlamaConfig(**kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=2, use_cache=False, **extra)
 
 
 def build_model(model_cfg: DictConfig, seed: int) -> LlamaForCausalLM:
     """A randomly initialised Llama (training starts from scratch, as in the paper), seeded."""
-    config = llama_config(model_cfg)
-    config._attn_implementation = model_cfg.get("attn_implementation", "sdpa")
+    config = llama_config(model_cfg, attn_implementation=model_cfg.get("attn_implementation", "sdpa"))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)

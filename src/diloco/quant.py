@@ -201,5 +201,8 @@ class QuantizedAverager:
         }
 
     def load_state_dict(self, state: dict, device: torch.device) -> None:
-        for name in ("residuals", "mean_residuals"):
-            setattr(self, name, {int(k): t.to(device, copy=True) for k, t in state.get(name, {}).items()})
+        def on_device(saved: dict) -> dict[int, torch.Tensor]:
+            return {int(k): t.to(device, copy=True) for k, t in saved.items()}
+
+        self.residuals = on_device(state.get("residuals", {}))
+        self.mean_residuals = on_device(state.get("mean_residuals", {}))

@@ -200,8 +200,10 @@ def judge(check_id: str, what: str, seeds: list[Measure]) -> Verdict:
     min) of the judged number, PASS if every seed passes, FAIL if none does, UNCERTAIN otherwise."""
     first = seeds[0]
     if len(seeds) == 1:
-        return Verdict(check_id, what, first.expected, first.measured,
-                       _value(first.value, first.unit), "PASS" if first.ok else "FAIL")  # fmt: skip
+        verdict = "PASS" if first.ok else "FAIL"
+        return Verdict(
+            check_id, what, first.expected, first.measured, _value(first.value, first.unit), verdict
+        )
     values = [m.value for m in seeds if m.value is not None]
     delta = "-"
     if values:
@@ -267,7 +269,11 @@ def measure(claim: dict, a: Run, b: Run) -> Measure:
         measured = f"gap {gap_early:+.1%} at step {early} -> {gap_end:+.1%} at {end}"
         return Measure(expected, measured, gap_end - gap_early, gap_early > 0 and gap_end < gap_early, "pp")
     pa, pb = a.eval_perplexity(), b.eval_perplexity()
-    bars = {"ratio_within": f"abs(a/b-1) <= {tol:.0%}", "less_than": f"a/b-1 < {tol:+.0%}", "abs_within": f"abs(a-b) <= {tol}"}  # fmt: skip
+    bars = {
+        "ratio_within": f"abs(a/b-1) <= {tol:.0%}",
+        "less_than": f"a/b-1 < {tol:+.0%}",
+        "abs_within": f"abs(a-b) <= {tol}",
+    }
     if kind not in bars:
         raise ValueError(f"unknown claim kind {kind!r} in {claim['id']}")
     if pa is None or pb is None:
@@ -281,9 +287,11 @@ def measure(claim: dict, a: Run, b: Run) -> Measure:
 
 def check_claim(claim: dict, seeds: list[dict[str, Run]]) -> Verdict:
     """A claim judged on every seed's runs (one dict of runs by reference key per seed)."""
-    missing = sorted({k for runs in seeds for k in (claim["a"], claim["b"]) if runs.get(k) is None or not runs[k].finished})  # fmt: skip
+    refs = (claim["a"], claim["b"])
+    missing = sorted({k for runs in seeds for k in refs if runs.get(k) is None or not runs[k].finished})
     if missing:
-        return Verdict(claim["id"], claim["claim"], claim["kind"], f"waiting for {', '.join(missing)}", "-", "PENDING")  # fmt: skip
+        waiting = f"waiting for {', '.join(missing)}"
+        return Verdict(claim["id"], claim["claim"], claim["kind"], waiting, "-", "PENDING")
     return judge(
         claim["id"], claim["claim"], [measure(claim, runs[claim["a"]], runs[claim["b"]]) for runs in seeds]
     )

@@ -18,10 +18,9 @@ from .tensor_format import (
     FORMAT_VERSION,
     META_FORMAT_VERSION,
     META_PAYLOAD_SHA256,
-    _st_header,
-    _st_save,
     canonical_header,
     encode,
+    safetensors_layout,
 )
 
 METADATA_ROOM = 4096  # bytes kept in front of the tensor entries' header for the metadata
@@ -33,7 +32,7 @@ class DeltaFile:
 
     def __init__(self, shapes: dict[str, tuple[int, ...]]):
         # safetensors' payload order (dtype, then name) from its own header for one-element stand-ins
-        order = _st_header(_st_save({k: torch.zeros(1) for k in shapes}))
+        order = safetensors_layout({k: torch.float32 for k in shapes})
         self.entries, offset = {}, 0
         for name in sorted(order, key=lambda k: order[k]["data_offsets"]):
             n = 4 * math.prod(shapes[name])

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 
 from .intake import final_marker_path
 from .recovery import GLOBAL_LEDGER_PATH, LEASE_PATH, LEDGER_FILE_MAX_BYTES, utc_now
+from .repo_paths import GLOBAL_STEP_PATH
 from .startup import STEP_FILE_MAX_BYTES
-from .tensor_format import GLOBAL_STEP_PATH
 from .transport import RemoteNotFound, TransportError
 
 if TYPE_CHECKING:

@@ -17,7 +17,8 @@ import torch
 
 from .delta_codec import WIRE_DTYPES, to_float32, wire_layout
 from .recovery import Ledger, LedgerEntry
-from .tensor_format import NODES_DIR, DeltaMeta, InvalidTensorFile, decode, parse_delta_path, validate_node_id
+from .repo_paths import NODES_DIR, parse_delta_path, validate_node_id
+from .tensor_format import DeltaMeta, InvalidTensorFile, decode
 from .transport import FileTooLarge, ReadsInto, RemoteNotFound, Transport, TransportError
 
 log = logging.getLogger("diloco.dumb_diloco")

@@ -150,21 +150,7 @@ class OuterLoop:
                     LedgerEntry(node, step, tag, "rejected", self.state.outer_step, reason=reason)
                 )
                 log.warning("master: rejected delta %s@%s: %s", node, step, reason)
-        for c in candidates:
-            if (
-                same := self.intake.duplicate_of(c, self.state.ledger, seen)
-            ) is not None:  # a copy of an applied delta: never again
-                result.rejected.append(c.entry("duplicate", self.state.outer_step, same))
-                log.warning("master: duplicate delta %s: %s", c.path, same)
-                continue
-            why = self._take_in(c, revision)  # 2 (payload) + 4 + 5 (into the running sum)
-            if why:
-                staleness = self._staleness(c.meta.base_outer_step if c.meta else -1)
-                result.rejected.append(c.entry("rejected", self.state.outer_step, why, staleness))
-                self._processed_paths[c.path] = (c.node_id, c.local_step)
-                log.warning("master: rejected delta %s: %s", c.path, why)
-            elif why is not None:
-                seen[c.sha256] = f"{c.node_id}@{c.local_step}"
+        self._take_in_all(candidates, result, seen, revision)
         self.intake.buffer = None  # the poll's file buffer: no model-sized bytes held between polls
         valid = self._take_round(flush, revision)
         with self.lock:
@@ -173,22 +159,7 @@ class OuterLoop:
             self.deltas_rejected += len(result.rejected)
             self._ledger_dirty |= bool(result.rejected)
             if valid:
-                mean = self._sum.mean(self._round_nodes)  # 5: per node in a quorum round, else per delta
-                result.pseudo_grad_norm = math.sqrt(  # float64 accumulation, no float64 copy
-                    sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in mean.values())
-                )
-                for c in valid:
-                    staleness = self._staleness(c.meta.base_outer_step)
-                    result.applied.append(c.entry("applied", self.state.outer_step + 1, staleness=staleness))
-                    ledger.add(result.applied[-1])
-                period = max(1, self.delayed_nesterov_period)  # counted in deltas (arXiv 2401.09135)
-                self.state.apply_outer_step(mean, self.outer_lr, self.outer_momentum, period, len(valid))  # 6
-                self.state.outer_step += 1
-                result.outer_step = self.state.outer_step
-                self.deltas_accepted += len(valid)
-                self.rounds += 1
-                self.last_num_peers, self.last_pseudo_grad_norm = result.num_peers, result.pseudo_grad_norm
-                self.last_staleness = [e.staleness for e in result.applied]
+                self._outer_step(valid, result)
         self._processed_paths |= {c.path: (c.node_id, c.local_step) for c in valid}
         if valid:
             result.published = self.publish(result.applied)  # 7 + 8
@@ -209,6 +180,46 @@ class OuterLoop:
                 *(result.pseudo_grad_norm, len(result.rejected), result.seconds),
             )
         return result
+
+    def _take_in_all(
+        self, candidates: list[Candidate], result: RoundResult, seen: dict[str, str], revision: str
+    ) -> None:
+        """Each new candidate into the running sum, or into `result.rejected` (a duplicate of `seen`, an
+        applied or pending delta's SHA-256, or a bad file); a transient failure is read again next poll."""
+        for c in candidates:
+            same = self.intake.duplicate_of(c, self.state.ledger, seen)
+            if same is not None:  # a copy of an applied delta: never again
+                result.rejected.append(c.entry("duplicate", self.state.outer_step, same))
+                log.warning("master: duplicate delta %s: %s", c.path, same)
+                continue
+            why = self._take_in(c, revision)  # 2 (payload) + 4 + 5 (into the running sum)
+            if why:
+                staleness = self._staleness(c.meta.base_outer_step if c.meta else -1)
+                result.rejected.append(c.entry("rejected", self.state.outer_step, why, staleness))
+                self._processed_paths[c.path] = (c.node_id, c.local_step)
+                log.warning("master: rejected delta %s: %s", c.path, why)
+            elif why is not None:
+                seen[c.sha256] = f"{c.node_id}@{c.local_step}"
+
+    def _outer_step(self, valid: list[Candidate], result: RoundResult) -> None:
+        """The round's outer step from its valid deltas (under the state lock): ledger entries, the
+        step, the counters."""
+        mean = self._sum.mean(self._round_nodes)  # 5: per node in a quorum round, else per delta
+        result.pseudo_grad_norm = math.sqrt(  # float64 accumulation, no float64 copy
+            sum(float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2 for g in mean.values())
+        )
+        for c in valid:
+            staleness = self._staleness(c.meta.base_outer_step)
+            result.applied.append(c.entry("applied", self.state.outer_step + 1, staleness=staleness))
+            self.state.ledger.add(result.applied[-1])
+        period = max(1, self.delayed_nesterov_period)  # counted in deltas (arXiv 2401.09135)
+        self.state.apply_outer_step(mean, self.outer_lr, self.outer_momentum, period, len(valid))  # 6
+        self.state.outer_step += 1
+        result.outer_step = self.state.outer_step
+        self.deltas_accepted += len(valid)
+        self.rounds += 1
+        self.last_num_peers, self.last_pseudo_grad_norm = result.num_peers, result.pseudo_grad_norm
+        self.last_staleness = [e.staleness for e in result.applied]
 
     def _take_in(self, c: Candidate, revision: str) -> str | None:
         """Download and validate `c` and add it to the running sum (pending): "" if it is pending, a

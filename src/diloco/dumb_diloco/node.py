@@ -35,9 +35,10 @@ from .lanes import Buffers, DeltaJob, OwnCopy
 from .master import OuterLoop
 from .progress import GlobalProgress
 from .recovery import GlobalSnapshot, MasterState, delta_layout, state_layout
+from .repo_paths import delta_path
 from .settings import DumbDiLoCoError, Settings
 from .startup import GlobalReader
-from .tensor_format import DeltaMeta, InvalidTensorFile, delta_path, parse_header
+from .tensor_format import DeltaMeta, InvalidTensorFile, parse_header
 from .transport import HubTransport, PermanentError, RemoteNotFound, Transport
 
 log = logging.getLogger("diloco.dumb_diloco")

@@ -12,7 +12,8 @@ import json
 from collections.abc import Iterable
 
 from .recovery import GLOBAL_LEDGER_PATH, GLOBAL_MOMENTUM_PATH, LedgerEntry, MasterState, utc_now
-from .tensor_format import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, encode, parse_header
+from .repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH
+from .tensor_format import encode, parse_header
 
 HF_CONFIG_PATH = "config.json"
 HF_INDEX_PATH = "model.safetensors.index.json"
@@ -34,9 +35,16 @@ def global_files(
     meta = {k: str(v) for k, v in common.items()}
     blob = encode(weights, meta | {"kind": "dumb_diloco_global", "format": "pt"})
     common["global_sha256"] = parse_header(blob).metadata["payload_sha256"]
-    keys = ("node_id", "local_step", "sha256", "base_outer_step")
     step_info = common | {"format_version": "1"} | {k: v for k, v in outer.items() if v is not None}
-    step_info["deltas"] = [{k: getattr(e, k) for k in keys} for e in applied]
+    step_info["deltas"] = [
+        {
+            "node_id": e.node_id,
+            "local_step": e.local_step,
+            "sha256": e.sha256,
+            "base_outer_step": e.base_outer_step,
+        }
+        for e in applied
+    ]
     step_info["included"] = dict(sorted(state.ledger.included.items()))  # node -> newest applied local step
     if state.ledger.step_micros:  # node -> busy microseconds per step (dynamic local steps)
         step_info["step_micros"] = dict(sorted(state.ledger.step_micros.items()))

@@ -24,7 +24,7 @@ from diloco.outer import OuterOptimizer
 
 from ..files import write_atomic
 from .aggregation import is_delta_tensor
-from .tensor_format import InvalidTensorFile, decode, encode
+from .tensor_format import TORCH_DTYPES, InvalidTensorFile, decode, encode
 from .transport import RemoteNotFound, Transport
 
 log = logging.getLogger("diloco.dumb_diloco")
@@ -69,9 +69,12 @@ def state_layout(state: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, .
     return {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
 
 
+_DTYPES_BY_NAME = {str(d).removeprefix("torch."): d for d in TORCH_DTYPES.values()}  # what a state file holds
+
+
 def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = _DTYPES_BY_NAME.get(name.removeprefix("torch."))
+    if dtype is None:
         raise ValueError(f"unknown dtype {name!r}")
     return dtype
 
@@ -236,9 +239,13 @@ class MasterState:
             "delayed_count": self.delayed_count,
         }
 
+    def _tensor_dicts(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The state's tensor dicts by kind (_TENSORS), "<kind>/<name>" in files."""
+        return {"weights": self.weights, "momentum": self.momentum, "delayed": self.delayed}
+
     def to_checkpoint(self) -> dict:
         return self._meta() | {
-            kind: {k: t.clone() for k, t in getattr(self, kind).items()} for kind in _TENSORS
+            kind: {k: t.clone() for k, t in tensors.items()} for kind, tensors in self._tensor_dicts().items()
         }
 
     @classmethod
@@ -259,7 +266,7 @@ class MasterState:
         """Tensors first (a new file per outer step), then the JSON that names them (atomic rename):
         a crash at any point leaves the previous complete state readable."""
         directory.mkdir(parents=True, exist_ok=True)
-        tensors = {f"{kind}/{k}": t for kind in _TENSORS for k, t in getattr(self, kind).items()}
+        tensors = {f"{kind}/{k}": t for kind, ts in self._tensor_dicts().items() for k, t in ts.items()}
         blob = encode(tensors, {"kind": "dumb_diloco_master_state", "outer_step": str(self.outer_step)})
         name = f"master_state.{self.outer_step:08d}.safetensors"
         write_atomic(directory / name, blob)

@@ -6,8 +6,7 @@ plus the error a node reports in one line. Prose: docs/dumb_diloco.md ("Configur
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from dataclasses import fields as dataclass_fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -54,7 +53,7 @@ class Settings(DumbDiLoCoConfig):
         if isinstance(dcfg.get("collaborators"), str):  # before OmegaConf turns the string away
             raise ConfigError(_COLLABORATORS + f"got {dcfg.get('collaborators')!r}")
         block = typed(dcfg, DumbDiLoCoConfig, "distributed.")
-        s = cls(**{f.name: getattr(block, f.name) for f in dataclass_fields(DumbDiLoCoConfig)})
+        s = cls(**asdict(block))  # every DumbDiLoCoConfig field (retry as a dict: __post_init__ types it)
         if s.token is not None and s.role != "single":
             log.warning(
                 "distributed.token is set in the config: prefer the HF_TOKEN environment variable or "

@@ -33,14 +33,9 @@ from .recovery import (
     read_lease,
     recover,
 )
+from .repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH
 from .settings import DumbDiLoCoError
-from .tensor_format import (
-    GLOBAL_STEP_PATH,
-    GLOBAL_WEIGHTS_PATH,
-    InvalidTensorFile,
-    decode,
-    parse_header,
-)
+from .tensor_format import InvalidTensorFile, decode, parse_header
 from .transport import (
     RemoteNotFound,
     RevisionConflict,

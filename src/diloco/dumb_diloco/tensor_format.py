@@ -17,18 +17,13 @@ import re
 import struct
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 
 import torch
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
-from .repo_paths import GLOBAL_STEP_PATH as GLOBAL_STEP_PATH  # the repository's paths, where they were
-from .repo_paths import GLOBAL_WEIGHTS_PATH as GLOBAL_WEIGHTS_PATH
-from .repo_paths import NODES_DIR as NODES_DIR
-from .repo_paths import delta_path as delta_path
-from .repo_paths import parse_delta_path as parse_delta_path
 from .repo_paths import validate_node_id
 
 FORMAT_VERSION = "1"
@@ -39,17 +34,53 @@ META_PAYLOAD_SHA256 = "payload_sha256"
 # making a reader allocate gigabytes.
 DEFAULT_MAX_HEADER_BYTES = 16 * 1024 * 1024
 
-# Every safetensors dtype: name, size in bits, torch dtype ("-": safetensors.torch cannot load it).
-_DTYPE_TABLE = """
-    BOOL 8 bool  U8 8 uint8  I8 8 int8  I16 16 int16  U16 16 uint16  I32 32 int32  U32 32 uint32
-    I64 64 int64  U64 64 uint64  F16 16 float16  BF16 16 bfloat16  F32 32 float32  F64 64 float64
-    C64 64 complex64  F8_E5M2 8 float8_e5m2  F8_E4M3 8 float8_e4m3fn  F8_E4M3FNUZ 8 float8_e4m3fnuz
-    F8_E5M2FNUZ 8 float8_e5m2fnuz  F8_E8M0 8 -  F4 4 -  F6_E2M3 6 -  F6_E3M2 6 -
-"""
-_NAMES, _BITS, _ATTRS = (_DTYPE_TABLE.split()[i::3] for i in range(3))
-DTYPE_BITS: dict[str, int] = {name: int(bits) for name, bits in zip(_NAMES, _BITS)}
-_TORCH_DTYPES = {name: getattr(torch, attr) for name, attr in zip(_NAMES, _ATTRS) if hasattr(torch, attr)}
-_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in _TORCH_DTYPES.items()}
+# Every safetensors dtype and its size in bits.
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "I16": 16,
+    "U16": 16,
+    "I32": 32,
+    "U32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F16": 16,
+    "BF16": 16,
+    "F32": 32,
+    "F64": 64,
+    "C64": 64,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "F8_E8M0": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+# The torch dtype of each safetensors dtype that safetensors.torch can load (not F8_E8M0, F4, F6_*).
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "C64": torch.complex64,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+}
+_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 
 _INT_FIELDS = ("local_step", "base_outer_step", "tokens_since_baseline", "samples_since_baseline")
 _DELTA_DTYPES = ("float32", "bfloat16", "float16", "float64", "int8", "int4")
@@ -114,8 +145,14 @@ class DeltaMeta:
 
     def __post_init__(self) -> None:
         validate_node_id(self.node_id)
-        for name in (*_INT_FIELDS, "step_micros"):
-            value = getattr(self, name)
+        counts = {
+            "local_step": self.local_step,
+            "base_outer_step": self.base_outer_step,
+            "tokens_since_baseline": self.tokens_since_baseline,
+            "samples_since_baseline": self.samples_since_baseline,
+            "step_micros": self.step_micros,
+        }
+        for name, value in counts.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if self.dtype not in _DELTA_DTYPES:
@@ -135,8 +172,7 @@ class DeltaMeta:
     def to_header(self) -> dict[str, str]:
         """Every field as a string under its own name (`__metadata__`); payload_sha256 once it is set."""
         drop = {"quant_block_size": self.dtype not in QUANT_DTYPES, "step_micros": not self.step_micros}
-        items = ((f.name, getattr(self, f.name)) for f in fields(self) if not drop.get(f.name))
-        return {name: str(v) for name, v in items if v != ""}
+        return {name: str(v) for name, v in asdict(self).items() if not drop.get(name) and v != ""}
 
     @classmethod
     def from_header(cls, meta: dict[str, str]) -> DeltaMeta:
@@ -190,6 +226,33 @@ def parse_header(
     known, the payload described by the header must end exactly at the end of the file.
     Raises InvalidTensorFile(reason).
     """
+    header_len, obj = _header_json(blob_prefix, file_size, max_header_bytes)
+    metadata: dict[str, str] = {}
+    raw_meta = obj.pop("__metadata__", None)
+    if raw_meta is not None:
+        if not isinstance(raw_meta, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in raw_meta.items()
+        ):
+            raise InvalidTensorFile("__metadata__ must map strings to strings")
+        metadata = dict(raw_meta)
+    tensors = {name: _tensor_info(name, info) for name, info in obj.items()}
+    # The payload must be tiled exactly: sorted by offset, each tensor starts where the last ended.
+    end = 0
+    for name, info in sorted(tensors.items(), key=lambda kv: kv[1].data_offsets):
+        if info.data_offsets[0] != end:
+            kind = "overlaps the previous tensor" if info.data_offsets[0] < end else "leaves a hole before it"
+            raise InvalidTensorFile(f"tensor {name!r}: data_offsets {list(info.data_offsets)} {kind}")
+        end = info.data_offsets[1]
+    if file_size is not None and 8 + header_len + end != file_size:
+        raise InvalidTensorFile(
+            f"header describes a {end}-byte payload but the file holds {file_size - 8 - header_len} "
+            "payload bytes (truncated or padded file)"
+        )
+    return SafetensorsHeader(tensors=tensors, metadata=metadata, header_len=header_len, payload_size=end)
+
+
+def _header_json(blob_prefix: bytes, file_size: int | None, max_header_bytes: int) -> tuple[int, dict]:
+    """The header's length N and its JSON object, checked: a plausible N, UTF-8, no duplicate keys."""
     prefix = bytes(blob_prefix[:8])
     if len(prefix) < 8:
         raise InvalidTensorFile(f"file too short for a safetensors header ({len(prefix)} bytes)")
@@ -217,54 +280,31 @@ def parse_header(
         raise InvalidTensorFile(f"header is not valid JSON ({err.msg} at char {err.pos})") from None
     if not isinstance(obj, dict):
         raise InvalidTensorFile("header is not a JSON object")
+    return header_len, obj
 
-    metadata: dict[str, str] = {}
-    raw_meta = obj.pop("__metadata__", None)
-    if raw_meta is not None:
-        if not isinstance(raw_meta, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in raw_meta.items()
-        ):
-            raise InvalidTensorFile("__metadata__ must map strings to strings")
-        metadata = dict(raw_meta)
 
-    tensors: dict[str, TensorInfo] = {}
-    for name, info in obj.items():
-        if not name:
-            raise InvalidTensorFile("empty tensor name")
-        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise InvalidTensorFile(f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets")
-        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in DTYPE_BITS:
-            raise InvalidTensorFile(f"tensor {name!r}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(map(_is_count, shape)):
-            raise InvalidTensorFile(f"tensor {name!r}: shape must be a list of non-negative ints")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))) or (
-            offsets[0] > offsets[1]
-        ):
-            raise InvalidTensorFile(
-                f"tensor {name!r}: data_offsets must be [begin, end] with 0 <= begin <= end"
-            )
-        bits = math.prod(shape) * DTYPE_BITS[dtype]
-        if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
-            raise InvalidTensorFile(
-                f"tensor {name!r}: {dtype}{shape} needs {bits / 8:g} bytes but data_offsets "
-                f"span {offsets[1] - offsets[0]}"
-            )
-        tensors[name] = TensorInfo(dtype=dtype, shape=tuple(shape), data_offsets=(offsets[0], offsets[1]))
-
-    # The payload must be tiled exactly: sorted by offset, each tensor starts where the last ended.
-    end = 0
-    for name, info in sorted(tensors.items(), key=lambda kv: kv[1].data_offsets):
-        if info.data_offsets[0] != end:
-            kind = "overlaps the previous tensor" if info.data_offsets[0] < end else "leaves a hole before it"
-            raise InvalidTensorFile(f"tensor {name!r}: data_offsets {list(info.data_offsets)} {kind}")
-        end = info.data_offsets[1]
-    if file_size is not None and 8 + header_len + end != file_size:
+def _tensor_info(name: str, info: object) -> TensorInfo:
+    """One tensor entry of the header, checked: a known dtype, a shape, offsets spanning its size."""
+    if not name:
+        raise InvalidTensorFile("empty tensor name")
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise InvalidTensorFile(f"tensor {name!r}: entry must have exactly dtype, shape, data_offsets")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if dtype not in DTYPE_BITS:
+        raise InvalidTensorFile(f"tensor {name!r}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(map(_is_count, shape)):
+        raise InvalidTensorFile(f"tensor {name!r}: shape must be a list of non-negative ints")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))) or (
+        offsets[0] > offsets[1]
+    ):
+        raise InvalidTensorFile(f"tensor {name!r}: data_offsets must be [begin, end] with 0 <= begin <= end")
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits % 8 or bits // 8 != offsets[1] - offsets[0]:
         raise InvalidTensorFile(
-            f"header describes a {end}-byte payload but the file holds {file_size - 8 - header_len} "
-            "payload bytes (truncated or padded file)"
+            f"tensor {name!r}: {dtype}{shape} needs {bits / 8:g} bytes but data_offsets "
+            f"span {offsets[1] - offsets[0]}"
         )
-    return SafetensorsHeader(tensors=tensors, metadata=metadata, header_len=header_len, payload_size=end)
+    return TensorInfo(dtype=dtype, shape=tuple(shape), data_offsets=(offsets[0], offsets[1]))
 
 
 def read_header_ranges(
@@ -300,7 +340,7 @@ def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
         prepared[name] = t
     # safetensors lays the payload out by dtype, then name, whatever the sizes: its own header for
     # one-element stand-ins gives the order and dtype names (and its errors for a dtype it refuses)
-    header = _st_header(_st_save({k: torch.zeros(1, dtype=t.dtype) for k, t in prepared.items()}))
+    header = safetensors_layout({k: t.dtype for k, t in prepared.items()})
     pieces, offset = [], 0
     for name in sorted(header, key=lambda k: header[k]["data_offsets"]):
         t = prepared[name]
@@ -321,8 +361,11 @@ def encode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     return b"".join([canonical_header(header), *pieces])
 
 
-def _st_header(blob: bytes) -> dict:
-    """The tensor entries of the JSON header of a file written by safetensors itself."""
+def safetensors_layout(dtypes: dict[str, torch.dtype]) -> dict[str, dict]:
+    """The tensor entries of the header safetensors itself writes for one-element tensors of these
+    dtypes: the payload order it uses (by `data_offsets`: dtype, then name) and its dtype names (and
+    its error for a dtype it refuses)."""
+    blob = _st_save({k: torch.zeros(1, dtype=dtype) for k, dtype in dtypes.items()})
     (n,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8 : 8 + n])
     header.pop("__metadata__", None)
@@ -395,7 +438,7 @@ def decode(
                 f"payload SHA-256 mismatch: header says {want[:12]}..., payload is {got[:12]}..."
             )
     for name, info in header.tensors.items():
-        if info.dtype not in _TORCH_DTYPES:
+        if info.dtype not in TORCH_DTYPES:
             raise InvalidTensorFile(f"tensor {name!r}: dtype {info.dtype} cannot be loaded into torch")
     if expected is not None:
         diff = {
@@ -436,7 +479,7 @@ def _views(blob: bytes, header: SafetensorsHeader, whole: torch.Tensor | None) -
     where `safetensors.torch.load` copies the whole payload."""
     out = {}
     for name, info in header.tensors.items():
-        dtype, (begin, end) = _TORCH_DTYPES[info.dtype], info.data_offsets
+        dtype, (begin, end) = TORCH_DTYPES[info.dtype], info.data_offsets
         if whole is not None:
             out[name] = whole[begin // 4 : end // 4].view(info.shape)
             continue
