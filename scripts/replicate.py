@@ -6,10 +6,14 @@
     python scripts/replicate.py --family gpu --cpu-smoke          # the same runs, tiny, on CPU (the test suite)
     python scripts/replicate.py --family 150m --dry-run           # plan + 2 real CPU steps of each config
     python scripts/replicate.py --family 150m --hosts-file nodes.txt
+    python scripts/replicate.py --family tiny --hosts-file nodes.txt   # a local family on CPU nodes
 
 Paper families run on the GPU nodes listed in a hosts file (one hostname per line, reachable with
-password-less ssh, the repository at the same path on each, node 0 = rendezvous); each run starts
-`scripts/launch_node.sh` on the nodes it needs and waits for all of them, then the next run starts.
+password-less ssh, the repository at the same path on each, node 0 = rendezvous; a local family does
+too when --hosts-file is given); each run starts `scripts/launch_node.sh` on the nodes it needs and
+waits for all of them, then the next run starts. The first node that fails (its launch, or ssh) stops
+the run's other nodes (each checkpoints and exits: closing ssh's stdin signals the node) and the
+family, in one line naming that node; Ctrl+C does the same for every node.
 On SLURM, skip this and `srun scripts/launch_node.sh --experiment <name>` per run instead.
 DumbDiLoCo runs need REPO_ID (a Hub repo org/name with HF_TOKEN set on every node, or a shared path).
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import json
 import os
 import shlex
@@ -38,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -243,42 +249,103 @@ def dry_steps(name: str, out: Path) -> tuple[float, int] | None:
     return time.time() - t0, usage.ru_maxrss * 1024
 
 
-def ssh_commands(name: str, hosts: list[str], port: int) -> list[tuple[str, str]]:
-    cfg = compose_experiment(name)
+# On a node: a watcher on the ssh connection's stdin beside the launch (exec'd, so $$ is the launch's own
+# pid). When this machine closes that stdin (another node failed, Ctrl+C here) or the connection drops, the
+# launch gets SIGTERM and stops as on a Ctrl+C of its own (the ranks' last step, a checkpoint, exit 130);
+# without it a node whose peer died would wait out the rendezvous or collective timeout. fd 3 keeps the
+# connection's stdin for the watcher: a background job's own stdin is /dev/null.
+REMOTE = "cd {root} && exec 3<&0 </dev/null && {{ {{ cat <&3; kill -TERM $$; }} >/dev/null 2>&1 & }} && exec {launch} 3<&-"
+SSH = [
+    "ssh",
+    "-o",
+    "BatchMode=yes",
+]  # password-less or nothing: a password prompt per node would hang the run
+
+
+def read_hosts(path: Path) -> list[str]:
+    """The hostnames of a hosts file, one per line, node 0 first (blank lines and # comments skipped)."""
+    if not path.exists():
+        raise PlanError(f"no hosts file {path}: list the GPU nodes, one per line (see README)")
+    hosts = [h for line in path.read_text().splitlines() if (h := line.split("#", 1)[0].strip())]
+    if twice := sorted({h for h in hosts if hosts.count(h) > 1}):
+        raise PlanError(f"the hosts file {path} lists {', '.join(twice)} more than once: one line per node")
+    return hosts
+
+
+@dataclass(frozen=True)
+class NodeLaunch:
+    host: str
+    command: str  # the shell command line ssh runs there
+    log: str  # where its launch writes its log, on that host (relative: to the repository)
+
+
+def ssh_commands(
+    name: str, hosts: list[str], port: int, overrides: list[str] = (), cpu: bool = False
+) -> list[NodeLaunch]:
+    """Each node's `scripts/launch_node.sh` for one run of a family; `overrides` follow `--`."""
+    cfg = compose_experiment(name, list(overrides))
     topo = topology(cfg)
     if len(hosts) < topo["nodes"]:
         raise PlanError(f"{name} needs {topo['nodes']} nodes; the hosts file lists {len(hosts)}")
-    cmds = []
+    dumb = topo["mode"] == "dumb_diloco"
+    repo = os.environ.get("REPO_ID") or ""
+    if dumb and not repo:
+        raise PlanError(f"{name} is a DumbDiLoCo run: set REPO_ID (org/name on the Hub, or a shared path)")
+    launches = []
     for rank in range(topo["nodes"]):
-        args = ["scripts/launch_node.sh", "--experiment", name]
-        if topo["mode"] == "dumb_diloco":
-            repo = os.environ.get("REPO_ID") or ""
-            if not repo:
-                raise PlanError(
-                    f"{name} is a DumbDiLoCo run: set REPO_ID (org/name on the Hub, or a shared path)"
-                )
-            args += [
-                "--role",
-                "master" if rank == 0 else "worker",
-                "--node-id",
-                f"node-{rank}",
-                "--repo-id",
-                repo,
-                "--shard",
-                str(rank),
-            ]
-        else:
+        args = ["scripts/launch_node.sh", "--experiment", name, *(["--cpu"] if cpu else [])]
+        run_dir = f"{cfg.out_dir}/{cfg.run_name}"
+        if dumb:
+            role = "master" if rank == 0 else "worker"
+            args += ["--role", role, "--node-id", f"node-{rank}", "--repo-id", repo, "--shard", str(rank)]
+            run_dir += f"-node-{rank}"
+        elif topo["nodes"] > 1:  # one node: torchrun --standalone picks a free port of its own
             args += ["--node-rank", str(rank), "--rdzv", f"{hosts[0]}:{port}"]
-        cmds.append((hosts[rank], f"cd {shlex.quote(str(ROOT))} && " + shlex.join(args)))
-    return cmds
+        if overrides:
+            args += ["--", *overrides]
+        command = REMOTE.format(root=shlex.quote(str(ROOT)), launch=shlex.join(args))
+        launches.append(NodeLaunch(hosts[rank], command, f"{run_dir}/launch-node{rank}.log"))
+    return launches
 
 
-def run_cluster(name: str, hosts: list[str], port: int) -> None:
-    procs = [(host, subprocess.Popen(["ssh", host, cmd])) for host, cmd in ssh_commands(name, hosts, port)]
-    codes = [(host, p.wait()) for host, p in procs]
-    failed = [f"{h} (exit {c})" for h, c in codes if c != 0]
-    if failed:
-        raise RuntimeError(f"{name} failed on {', '.join(failed)}; logs: runs/<run_name>/launch-node*.log")
+def _failure(node: NodeLaunch, code: int) -> str:
+    """How a node's launch ended, for the one line that names it."""
+    if code == 255:
+        return f"{node.host}: ssh could not run it there (exit 255: unreachable, refused, or the connection dropped)"
+    how = f"exit {code}" if code >= 0 else f"killed by signal {-code}"
+    return f"{node.host} ({how}; its log there: {node.log})"
+
+
+def run_cluster(name: str, launches: list[NodeLaunch]) -> None:
+    """Start every node's launch over ssh and wait for all. The first node that fails stops the others
+    (their launches checkpoint and exit) and the run fails naming it; so does Ctrl+C here."""
+    procs = [(n, subprocess.Popen([*SSH, n.host, n.command], stdin=subprocess.PIPE)) for n in launches]
+
+    def stop_all() -> None:
+        for _, p in procs:
+            p.stdin.close()  # the node's watcher sees the end of its stdin: SIGTERM to its launch
+
+    first: tuple[NodeLaunch, int] | None = None  # the first node that failed, and its exit code
+    with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
+        waits = {pool.submit(p.wait): n for n, p in procs}
+        try:
+            for done in concurrent.futures.as_completed(waits):
+                if done.result() != 0 and first is None:  # what the others do after the stop is its doing
+                    first = (waits[done], done.result())
+                    stop_all()
+        except KeyboardInterrupt:
+            stop_all()
+            raise
+        finally:
+            stop_all()  # a finished node's watcher ends with its stdin
+    if first is not None:
+        node, code = first
+        others = ", ".join(n.host for n in launches if n is not node)
+        raise RuntimeError(
+            f"{name} failed on {_failure(node, code)}"
+            + (f"; the other nodes were stopped ({others})" if others else "")
+            + "; the family's next runs were not started"
+        )
 
 
 def run_local(name: str, runs: Path, overrides: list[str] = (), device: str = "cpu") -> None:
@@ -349,12 +416,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--family", required=True, choices=sorted(FAMILIES))
     p.add_argument("--dry-run", action="store_true")
     p.add_argument(
-        "--hosts-file", type=Path, default=Path(os.environ.get("NODES_FILE", "configs/local/nodes.txt"))
+        "--hosts-file",
+        type=Path,
+        help="run on these nodes over ssh, a local family too (default for the paper families: $NODES_FILE, "
+        "else configs/local/nodes.txt)",
     )
     p.add_argument("--port", type=int, default=int(os.environ.get("RDZV_PORT", 29500)))
     p.add_argument("--runs", type=Path, default=Path("runs"))
     p.add_argument("--only", nargs="*", help="a subset of the family's experiments")
-    p.add_argument("--override", action="append", default=[], help="a hydra override for every local run")
+    p.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        help="a hydra override for every run (on nodes: after `--`)",
+    )
     p.add_argument(
         "--cpu-smoke", action="store_true", help="a GPU family's runs, tiny, on CPU (the test suite's check)"
     )
@@ -368,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         device, args.override = "cpu", [*CPU_SMOKE, *args.override]
         os.environ["OMP_NUM_THREADS"] = "1"  # up to 4 ranks on a few cores: one thread each, not 2 each
-    if device == "cuda" and not args.dry_run and (why := no_cuda()):
+    if device == "cuda" and not args.dry_run and args.hosts_file is None and (why := no_cuda()):
         print(
             f"error: the {args.family} family needs a CUDA GPU and {why} (`make replicate-gpu SMOKE=1`, or --cpu-smoke, runs it tiny on CPU)",
             file=sys.stderr,
@@ -390,20 +465,26 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
             return 0
-        if device is not None:  # a family that runs on this machine
+        if device is not None and args.hosts_file is None:  # a family that runs on this machine
             for name in names:
                 run_local(name, args.runs, args.override, device)
             return 0
-        if not args.hosts_file.exists():
-            raise PlanError(f"no hosts file {args.hosts_file}: list the GPU nodes, one per line (see README)")
-        hosts = [
-            h.strip() for h in args.hosts_file.read_text().splitlines() if h.strip() and not h.startswith("#")
-        ]
-        for name in names:
-            run_cluster(name, hosts, args.port)
+        hosts = read_hosts(args.hosts_file or Path(os.environ.get("NODES_FILE") or "configs/local/nodes.txt"))
+        cluster = [
+            f"out_dir={args.runs}",
+            *args.override,
+        ]  # out_dir: on each node, relative to the repository
+        launches = {
+            name: ssh_commands(name, hosts, args.port, cluster, cpu=device == "cpu") for name in names
+        }
+        for name in names:  # every run's nodes were checked before the first starts
+            run_cluster(name, launches[name])
     except (PlanError, ConfigError, RuntimeError, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # every node was told to stop: run the same command again to resume
+        print("error: stopped (Ctrl+C); the runs started were told to stop and checkpoint", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -122,9 +122,9 @@ def launch_nodes(tmp_path: Path, repo_id: str, env: dict[str, str]) -> float:
     return time.monotonic() - t0
 
 
-def replay(repo, tmp_path: Path, ledger: dict) -> None:
-    """The published global and momentum, rebuilt from the seeded model and the published ledger."""
-    cfg = compose_cfg([f"experiment={EXPERIMENT}", *overrides(tmp_path)])
+def replay(repo, cfg, ledger: dict) -> None:
+    """The published global and momentum of a run of `cfg` (the master's config), rebuilt from the seeded
+    model and the published ledger: each round's deltas averaged in ledger order, one outer step each."""
     d = cfg.distributed
     period = d.delayed_nesterov_period if d.delayed_nesterov else 1  # as startup.py hands it to the master
     state = MasterState.from_model_state(build_model(cfg.model, seed=cfg.seed).state_dict())
@@ -147,7 +147,9 @@ def replay(repo, tmp_path: Path, ledger: dict) -> None:
         assert torch.equal(momentum[f"momentum/{k}"], t), k
 
 
-def check_run(repo, tmp_path: Path) -> dict:
+def check_repository(repo, cfg, node_ids: list[str], steps: int) -> dict:
+    """Every delta in the repository applied exactly once, every node's final marker "finished" naming its
+    last delta (applied), and the published global and momentum replayed from the ledger; the ledger."""
     ledger = json.loads(repo.read(GLOBAL_LEDGER_PATH))
     entries = ledger["entries"]
     assert [e for e in entries if e["status"] != "applied"] == []
@@ -158,26 +160,31 @@ def check_run(repo, tmp_path: Path) -> dict:
     assert set(applied) == in_repo, (
         f"never applied: {in_repo - set(applied)}, not in the repo: {set(applied) - in_repo}"
     )
-    for _, node_id in NODES:  # every node uploaded, and its final marker names its last delta, applied
-        assert any(n == node_id for n, _ in in_repo), node_id
+    assert {n for n, _ in in_repo} == set(node_ids)
+    for node_id in node_ids:
         final = json.loads(repo.read(f"nodes/{node_id}/final.json"))
-        assert final["state"] == "finished" and final["last_local_step"] == STEPS, final
-        ours = [e for e in entries if (e["node_id"], e["local_step"]) == (node_id, STEPS)]
+        assert final["state"] == "finished" and final["last_local_step"] == steps, final
+        ours = [e for e in entries if (e["node_id"], e["local_step"]) == (node_id, steps)]
         assert [e["sha256"] for e in ours] == [final["last_delta_sha256"]], (final, ours)
-    replay(repo, tmp_path, ledger)
+    replay(repo, cfg, ledger)
+    return ledger
+
+
+def check_run(repo, tmp_path: Path) -> dict:
+    cfg = compose_cfg([f"experiment={EXPERIMENT}", *overrides(tmp_path)])
+    ledger = check_repository(repo, cfg, [n for _, n in NODES], STEPS)
     runs = tmp_path / "runs"
     summaries = {n: json.loads((runs / f"{RUN_NAME}-{n}" / "summary.json").read_text()) for _, n in NODES}
     for node_id, s in summaries.items():
         assert s["status"] == "completed" and s["step"] == STEPS, (node_id, s["status"], s["step"])
         assert s["dumb_diloco/final_delta"].startswith("applied at outer step"), s["dumb_diloco/final_delta"]
     assert summaries["node-0"]["dumb_diloco/final_left"] == ""
-    for shard, (_, node_id) in enumerate(
-        NODES
-    ):  # the launcher's log: its command line, then the run's output
+    for shard, (_, node_id) in enumerate(NODES):  # the launcher's log: its command, then the run's output
         log = (runs / f"{RUN_NAME}-{node_id}" / f"launch-node{shard}.log").read_text()
-        assert f"distributed.node_id={node_id}" in log.splitlines()[0] and f"data.shard={shard}" in log
-        assert "data.num_shards=3" in log.splitlines()[0]
-    return {"deltas": len(applied), "outer_steps": ledger["outer_step"]}
+        first = log.splitlines()[0]
+        assert f"distributed.node_id={node_id}" in first and f"data.shard={shard}" in first
+        assert "data.num_shards=3" in first
+    return {"deltas": len(ledger["entries"]), "outer_steps": ledger["outer_step"]}
 
 
 def assert_token_written_nowhere(tmp_path: Path) -> None:
