@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -87,9 +90,9 @@ def stand_in(tmp_path: Path, down: list[str] = ()) -> dict[str, str]:
     return env | {"PATH": f"{bin_dir}:{env['PATH']}", "REPO_ID": str(tmp_path / "shared" / "repo")}
 
 
-def replicate(tmp_path: Path, env: dict[str, str], port: int) -> subprocess.CompletedProcess:
+def replicate_cmd(tmp_path: Path, port: int, *extra: str) -> list[str]:
     """`make replicate-*`'s command for the two runs, on the hosts file's nodes."""
-    cmd = [
+    return [
         sys.executable,
         "scripts/replicate.py",
         "--family",
@@ -102,8 +105,12 @@ def replicate(tmp_path: Path, env: dict[str, str], port: int) -> subprocess.Comp
         str(port),
         "--runs",
         str(tmp_path / "runs"),
-        *(f"--override={o}" for o in OVERRIDES),
+        *(f"--override={o}" for o in [*OVERRIDES, *extra]),
     ]
+
+
+def replicate(tmp_path: Path, env: dict[str, str], port: int) -> subprocess.CompletedProcess:
+    cmd = replicate_cmd(tmp_path, port)
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=DEADLINE)
 
 
@@ -194,3 +201,40 @@ def test_a_failed_node_stops_the_run_and_the_family_in_one_line(tmp_path, rendez
     assert sorted(h for h, _ in ssh_calls(tmp_path)) == HOSTS
     assert all(RUNS[1] not in c for _, c in ssh_calls(tmp_path))
     assert not (tmp_path / "runs" / "tiny-ddp-mx" / "summary.json").exists()
+
+
+def test_ctrl_c_stops_every_node_with_a_checkpoint(tmp_path, rendezvous):
+    env = stand_in(tmp_path)
+    long = ["train.max_steps=100000", "optim.total_steps=100000", "train.checkpoint_every=0"]
+    out, err = (
+        tmp_path / "replicate.out",
+        tmp_path / "replicate.err",
+    )  # files: a full pipe would stall the nodes
+    with out.open("w") as o, err.open("w") as e:
+        proc = subprocess.Popen(
+            replicate_cmd(tmp_path, rendezvous, *long), cwd=ROOT, env=env, stdout=o, stderr=e
+        )
+    metrics = tmp_path / "runs" / "tiny-ddp-mx" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):  # both nodes are training
+            assert proc.poll() is None and time.monotonic() < deadline, "the run never reached step 10"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)  # to the runner only: it must stop the nodes itself
+        proc.wait(timeout=DEADLINE)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = err.read_text()
+    assert proc.returncode == 130, out.read_text()[-2000:] + err[-3000:]
+    assert [line for line in err.splitlines() if line.startswith("error:")] == [
+        "error: stopped (Ctrl+C); the runs started were told to stop and checkpoint"
+    ], err[-3000:]
+    run_dir = tmp_path / "runs" / "tiny-ddp-mx"
+    # both nodes' ranks finished the same step, wrote its checkpoint and said how to resume
+    stopped = re.compile(r"stopped at step (\d+); resume with the same command")
+    stops = [stopped.findall((run_dir / f).read_text()) for f in ("train.log", "train.rank1.log")]
+    assert len(stops[0]) == 1 and stops[0] == stops[1], stops
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step_{int(stops[0][0]):08d}"]
+    assert all(RUNS[1] not in c for _, c in ssh_calls(tmp_path))
