@@ -5,7 +5,7 @@ directory repository whose first global was published by a master (then stopped,
 arrives and nothing is installed: the boundary is snapshot, delta, enqueue). Its transport sits behind
 a link throttled to 10 MB/s or unlimited (`bench_common.ThrottledTransport`). Each measured boundary
 finds the uploader idle (the benchmark waits, untimed, for the previous upload to finish), so every
-measured boundary captures and dispatches a delta. The stall is the wall time of `Node.on_step`
+measured boundary captures and dispatches a delta. The stall is the wall time of `DumbDiLoCo.on_step`
 on the training thread (the coordinator's own `comm/boundary_stall_seconds` agrees).
 
 v2 (async_delta_upload: true, the default) must not depend on the link speed and must stay within
@@ -31,7 +31,7 @@ from pathlib import Path
 import bench_common as bc
 import torch
 
-from diloco.dumb_diloco import node as node_mod
+from diloco.dumb_diloco import strategy as node_mod
 from diloco.dumb_diloco.settings import Settings
 from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.transport import DirectoryTransport
@@ -61,12 +61,13 @@ class TwoCopyCoordinator(DumbDiLoCo):
     """The v2 boundary as it was: the training thread computed the delta (reads baseline and weights,
     writes a fresh float32 delta) and then copied the weights into a fresh baseline."""
 
-    def _capture(self, local_step):
+    def capture(self, local_step):
         state = self.model.state_dict()
         current = {k: state[k] for k in self.delta_keys}
-        job = super()._capture(local_step)
+        job = super().capture(local_step)
         job.materialize()  # the subtraction on the training thread, as before
-        self._baseline = {k: t.detach().to("cpu", copy=True) for k, t in current.items()}  # a fresh copy
+        fresh = {k: t.detach().to("cpu", copy=True) for k, t in current.items()}  # a fresh copy
+        self.uploader.rebase(fresh, restart=False)  # the baseline, not the reused snapshot buffer
         self.buffers.free.clear()
         return job
 
@@ -109,24 +110,31 @@ def wait_idle(c: DumbDiLoCo, timeout: float = 900.0) -> None:
         time.sleep(0.005)
 
 
-def phase_timers(c: DumbDiLoCo) -> dict[str, float]:
-    acc = {}
+class PhaseTimers(dict):
+    """Seconds spent in each of the boundary's phases (the node's public steps), summed over calls."""
 
-    def wrap(attr):
-        fn = getattr(c, attr)
-        acc[attr] = 0.0
+    def wrap(self, name: str, fn):
+        self[name] = 0.0
 
         def timed(*a, **k):
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
-                acc[attr] += time.perf_counter() - t
+                self[name] += time.perf_counter() - t
 
-        setattr(c, attr, timed)
+        return timed
 
-    for attr in ("_collect_lanes", "_capture", "_dispatch", "_poll", "_install_staged"):
-        wrap(attr)
+
+def phase_timers(c: DumbDiLoCo) -> PhaseTimers:
+    """Time the phases of `c`'s boundary: collecting the lanes, the capture (step 3), the dispatch (4),
+    the poll (5) and the install (6)."""
+    acc = PhaseTimers()
+    c.collect = acc.wrap("collect", c.collect)
+    c.capture = acc.wrap("capture", c.capture)
+    c.uploader.dispatch = acc.wrap("dispatch", c.uploader.dispatch)
+    c.poll = acc.wrap("poll", c.poll)
+    c.install_staged = acc.wrap("install_staged", c.install_staged)
     return acc
 
 
@@ -202,9 +210,16 @@ def profile_capture(shapes, tmp: Path) -> list[dict]:
     publish_first_global(repo, shapes, state)
     model = Params(shapes)
     settings = Settings(
-        role="worker", node_id="worker-1", repo_id=str(repo), inner_steps=1, poll_interval=3600.0,
-        state_dir=str(state), startup_timeout=60.0, shutdown_timeout=900.0, publish_hf_config=False,
-    )  # fmt: skip
+        role="worker",
+        node_id="worker-1",
+        repo_id=str(repo),
+        inner_steps=1,
+        poll_interval=3600.0,
+        state_dir=str(state),
+        startup_timeout=60.0,
+        shutdown_timeout=900.0,
+        publish_hf_config=False,
+    )
     c = DumbDiLoCo(model, settings, DirectoryTransport(repo, keep_old_versions_s=0.0))
     c.start()
     c.on_step(1)
@@ -306,7 +321,7 @@ def main(argv=None) -> int:
     for m, prof in profiles.items():
         tables[f"Where a v2 boundary's time goes: {m}, top ops (torch.profiler)"] = (prof, None)
     notes = [
-        "Stall: wall time of Node.on_step on the training thread at a boundary that captures a delta "
+        "Stall: wall time of DumbDiLoCo.on_step on the training thread at a boundary that captures a delta "
         f"(median of {args.repeats} after {args.warmup} warm-up); the uploader is idle when it starts.",
         "Floor: torch._foreach_copy_ of the model's state into buffers allocated beforehand, the fastest of 3 "
         "copies taken right before each measured boundary; x_floor is the median over boundaries of stall / floor.",

@@ -129,9 +129,9 @@ def run_worker(root: Path, params: int, case: str, rounds: int) -> None:
         deadline = time.monotonic() + 60  # untimed: the master includes this delta and the poll stages it
         while time.monotonic() < deadline and not _has_global(node, r + 1):
             time.sleep(0.02)
-            node._collect_lanes()
+            node.collect()
             if not node.polling:
-                node._poll()
+                node.poll()
     peak = _status_mib("VmHWM")
     model_mib = sum(torch.Size(x).numel() for x in layout.values()) * 4 / MiB
     node.close()
@@ -150,7 +150,7 @@ def run_worker(root: Path, params: int, case: str, rounds: int) -> None:
 
 
 def _has_global(node: DumbDiLoCo, outer_step: int) -> bool:
-    staged = node._staged
+    staged = node.installer.staged
     return (
         not node.uploading
         and max(node.installed_outer_step, staged.outer_step if staged else -1) >= outer_step

@@ -122,7 +122,7 @@ def run(
             if delay == 0:  # synchronous: every node installs the round at once
                 for _, coord, *_ in nodes:
                     coord.stage(outer.snapshot())
-                    coord._install_staged()
+                    coord.install_staged()
             elif delay is not None:
                 due.append((step + delay, outer.snapshot()))
             # delay None: the nodes find it in the repository at their next boundary's poll

@@ -259,7 +259,7 @@ def _run_node(rendezvous: Path, overrides: list[str]) -> None:
             _wait_for(lambda: not self.uploading, "the upload in flight")
             if self.s.async_global_poll:
                 _wait_for(lambda: not self.polling, "the poll in flight")
-                assert self._poll()
+                assert self.poll()
                 _wait_for(lambda: not self.polling, "a poll of the newer global")
         return on_step(self, local_step)
 

@@ -268,7 +268,7 @@ def test_outer_thread_survives_errors_and_never_touches_the_live_model(tmp_path)
     # of step 3 (uploaded at that boundary, before the install) and stage a newer global first.
     repo.hold_revisions = threading.Event()
     assert repo.revisions_held.wait(60)
-    notified = coord._staged.state["w"].clone()
+    notified = coord.installer.staged.state["w"].clone()
     assert not torch.equal(notified, live)
     assert torch.equal(model.w.detach(), live)  # only the training thread installs, at a boundary
     coord.on_step(1), coord.on_step(2)

@@ -85,10 +85,10 @@ class Wide(torch.nn.Module):
 def held_copies(node: DumbDiLoCo, job: DeltaJob | None = None) -> float:
     """Model-sized buffers the node's fields (and the job being written) refer to, the live model aside."""
     live = {t.untyped_storage().data_ptr() for t in node.model.state_dict().values()}
-    tensors = [*node._baseline.values(), *(node.reference or {}).values()]
+    tensors = [*node.uploader.baseline.values(), *(node.reference or {}).values()]
     tensors += [t for s in [*node.pending_snapshots.values(), *node.buffers.free] for t in s.values()]
-    tensors += list(node._staged.state.values()) if node._staged is not None else []
-    for j in (job, node._carry, node._upload[0] if node._upload else None):
+    tensors += list(node.installer.staged.state.values()) if node.installer.staged is not None else []
+    for j in (job, node.uploader.carry, node.uploader.in_flight):
         if j is not None:
             for d in (j.base, j.snapshot, j.delta, j.carry, j.free):
                 tensors += list((d or {}).values())
@@ -110,7 +110,7 @@ def test_a_worker_holds_at_most_three_model_copies_around_a_boundary(tmp_path, i
     kw = dict(install_when_staged=True) if install == "translate" else {}
     node = DumbDiLoCo(model, settings(repo.root, inner_steps=3, install=install, **kw), repo)
     node.start()
-    seen, send = [], node._send
+    seen, send = [], node.uploader.send
 
     def counting_send(job):  # the delta's write, inside the job: the boundary's peak
         write = node.transport.write
@@ -122,7 +122,7 @@ def test_a_worker_holds_at_most_three_model_copies_around_a_boundary(tmp_path, i
         finally:
             node.transport.write = write
 
-    node._send = counting_send
+    node.uploader.send = counting_send
     params = list(model.parameters())
     for step in range(1, 13):
         with torch.no_grad():

@@ -169,8 +169,8 @@ def proc_node(
         "steps": step - first_step,
         "uploads": coord.uploads,
         "upload_failures": coord.upload_failures,
-        "carry_steps": coord._carry.steps if coord._carry else 0,
-        "pending_steps": coord._steps_since_capture,  # after the last captured boundary: never uploaded
+        "carry_steps": coord.uploader.carry.steps if coord.uploader.carry else 0,
+        "pending_steps": coord.uploader.steps_since_capture,  # after the last captured boundary: never uploaded
         "injected": getattr(transport, "failures", 0),
     }
     if coord.outer is not None:

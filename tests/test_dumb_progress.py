@@ -27,7 +27,6 @@ from trainer_utils import compose_cfg, read_metrics, train
 from transformers import get_cosine_schedule_with_warmup
 
 from diloco.config import ConfigError, validate
-from diloco.dumb_diloco.ending import send_final
 from diloco.dumb_diloco.progress import GlobalProgress
 from diloco.dumb_diloco.strategy import DumbDiLoCo
 from diloco.dumb_diloco.tensor_format import parse_header
@@ -116,7 +115,7 @@ def run(tmp_path, pace: list[int], max_steps: int, tick_seconds: float = 0.0, **
             if tick % pace[i]:
                 continue
             if node.progress(node.local_step) >= max_steps:  # train.py's loop condition
-                send_final(node, node.clock() + 5)
+                node.send_final(node.clock() + 5)
                 running.discard(i)
                 continue
             seen[i].append((node.local_step, node.progress(node.local_step)))

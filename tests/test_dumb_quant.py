@@ -187,7 +187,7 @@ def test_a_failed_upload_loses_nothing_and_counts_nothing_twice(tmp_path):
     before = {k: t.clone() for k, t in coord.codec.residual.items()}
     spy.fail_writes = 1  # the upload at step 6 fails once
     run_boundaries(coord, model, range(4, 7), raw)
-    assert coord.upload_failures == 1 and coord._carry is not None
+    assert coord.upload_failures == 1 and coord.uploader.carry is not None
     for k, t in before.items():  # the residual moves only when an upload succeeds
         assert torch.equal(coord.codec.residual[k], t)
     run_boundaries(coord, model, range(7, 13), raw)  # step 9 carries step 6's delta

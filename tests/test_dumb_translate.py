@@ -74,7 +74,7 @@ def test_translate_with_zero_install_delay_is_synchronous_diloco(tmp_path, insta
             assert loop.run_once().applied
             for node, _, _ in nodes:
                 node.stage(loop.snapshot())
-                assert node._install_staged()
+                assert node.install_staged()
 
     for _, model, _ in nodes:
         torch.testing.assert_close(
@@ -173,7 +173,7 @@ def test_every_step_lands_in_the_global_exactly_once_whatever_the_install_timing
             node.stage(loop.snapshot())
     loop.run_once()  # after the last boundary (18): every delta is in
     node.stage(loop.snapshot())
-    node._install_staged()
+    node.install_staged()
     assert node.upload_failures == 1 and node.uploads == 5
     final = torch.cat(
         [loop.state.weights[k].reshape(-1) for k in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
@@ -203,7 +203,7 @@ def test_a_master_down_for_many_rounds_costs_a_translating_node_no_memory_and_no
             node.stage(loop.snapshot())
     loop.run_once()  # the last boundary's delta (21)
     node.stage(loop.snapshot())
-    node._install_staged()
+    node.install_staged()
     assert max(held) == (2 if cap else 5) and node.skipped_boundaries == (3 if cap else 0)
     assert node.uploads == (4 if cap else 7) and node.pending_snapshots == {}
     final = torch.cat(

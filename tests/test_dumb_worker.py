@@ -295,7 +295,7 @@ def test_v2_reused_snapshot_buffers_give_exact_deltas_across_installs_and_failur
             publish(repo.inner, new, 1)
         installed = coord.on_step(step).installed
         _wait(lambda: not coord.uploading)
-        coord._collect_lanes()
+        coord.collect()
         carry = want if step == 4 else None
         if step != 4:
             expected[step] = want

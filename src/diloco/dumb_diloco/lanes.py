@@ -1,6 +1,7 @@
-"""A DumbDiLoCo node's upload job and its lanes' executor (node.py runs them; prose: docs/dumb_diloco.md,
-"Node lifecycle"). Invariant: a job's base and snapshot buffers are read by that job only, and a base the
-node allocated (OwnCopy) is reused only after the job subtracted it.
+"""A DumbDiLoCo node's upload job, its lanes' executor and what a lane's failure means (the uploader
+and the node run them; prose: docs/dumb_diloco.md, "Node lifecycle"). Invariant: a job's base and
+snapshot buffers are read by that job only, and a base the node allocated (OwnCopy) is reused only after
+the job subtracted it; a lane's failure never kills training unless retrying cannot fix it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch
 
 from .aggregation import pseudo_gradient
 from .delta_file import DeltaFile
+from .settings import Settings
 from .tensor_format import DeltaMeta
+from .transport import PermanentError, RemoteNotFound
 
 
 class InlineLane:
@@ -118,3 +121,13 @@ class Buffers:
     def keep(self, buffers: dict[str, torch.Tensor] | None) -> None:
         if isinstance(buffers, OwnCopy) and not self.free and (buffers.file is not None) == self.files:
             self.free.append(buffers)
+
+
+def describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+
+
+def fail_fast(settings: Settings, err: BaseException, what: str) -> None:
+    """A refused token or a repository gone (issue 12): the node stops with one line, not train alone."""
+    if isinstance(err, PermanentError) or (isinstance(err, RemoteNotFound) and what.startswith("upload")):
+        raise settings.error(f"{what} failed for a reason retrying will not fix: {describe(err)}")

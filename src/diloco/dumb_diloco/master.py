@@ -449,6 +449,11 @@ class OuterLoop:
             return False
         return not self.intake.transient and not self._unpublished
 
+    @property
+    def stopped(self) -> bool:
+        """True once `stop` was called (until the next `start`)."""
+        return self._stop.is_set()
+
     def stop(self, drain_timeout: float = 0.0, timeout: float | None = None) -> bool:
         """Run rounds until every node's final delta is processed (at most `drain_timeout` s; 0: one last
         round), then the final ledger and lease write, and stop. `unfinished` then says what was left.

@@ -1,5 +1,6 @@
-"""How a node joins a run: reading the global model (`GlobalReader`), a worker's wait for the master's
-first global (`connect`), and a master's start from the newest state it can trust (`start_master`).
+"""How a node joins a run: reading the global model (`GlobalReader`), the `Joiner` (a worker's wait for
+the master's first global, the init-weights check, a master's quorum wait), and a master's start from the
+newest state it can trust (`take_lease`, `recover_outer_loop`, `open_outer_loop`).
 
 Invariants: step_count.json and latest.safetensors are read at one revision; a global is returned only
 if newer than what the node holds and fully validated (the model's keys, shapes and dtypes, finite,
@@ -17,7 +18,8 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -34,7 +36,7 @@ from .recovery import (
     recover,
 )
 from .repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH
-from .settings import DumbDiLoCoError
+from .settings import DumbDiLoCoError, Settings
 from .tensor_format import InvalidTensorFile, decode, parse_header
 from .transport import (
     RemoteNotFound,
@@ -46,9 +48,6 @@ from .transport import (
     time_left,
     write_atomic,
 )
-
-if TYPE_CHECKING:
-    from .strategy import DumbDiLoCo
 
 log = logging.getLogger("diloco.dumb_diloco")
 STEP_FILE_MAX_BYTES = 16 * 2**20
@@ -131,60 +130,136 @@ class GlobalReader:
         return False
 
 
-def connect(node: DumbDiLoCo) -> None:
-    """Open the repository. A worker waits (up to startup_timeout, and never past the deadline that
-    `DumbDiLoCo.start` sets) for the master's first global and stages it; the master creates the
-    repository (private, on the Hub)."""
-    s = node.s
-    if node.transport is not None and (s.is_master or node.newest_known() >= 0):
-        return  # already connected (and, a worker, holding a global)
-    deadline, announced, rejected, waiting_for = node.clock() + s.startup_timeout, False, "", ""
-    while True:
-        if waiting_for and _start_deadline_passed():  # no attempt after start()'s deadline
-            raise _no_global(node, waiting_for)
+class Joiner:
+    """How one node joins a run: it opens the store (`transport`), reads the globals (`reader`), waits
+    for the master's first global, refuses a master of other initial weights and (a master) waits for
+    its quorum."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        reader: GlobalReader,
+        init_sha256: str,
+        transport: Transport | None = None,
+        *,
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+    ):
+        self.s, self.reader, self.init_sha256, self.transport = settings, reader, init_sha256, transport
+        self.clock, self.sleep = clock, sleep
+
+    def fetch(self, newer_than: int) -> GlobalSnapshot | None:
+        """A global newer than `newer_than` (GlobalReader.fetch), None if there is none."""
+        return self.reader.fetch(self.transport, newer_than)
+
+    def connect(
+        self, fetch: Callable[[], GlobalSnapshot | None], holding_a_global: bool
+    ) -> GlobalSnapshot | None:
+        """Open the repository. A worker waits (up to startup_timeout, and never past the deadline that
+        `DumbDiLoCo.start` sets) for the master's first global (`fetch`) and returns it, to be staged;
+        the master creates the repository (private, on the Hub). None when already connected (and, a
+        worker, `holding_a_global`) or a master."""
+        s = self.s
+        if self.transport is not None and (s.is_master or holding_a_global):
+            return None
+        deadline, announced, rejected, waiting_for = self.clock() + s.startup_timeout, False, "", ""
+        while True:
+            if waiting_for and _start_deadline_passed():  # no attempt after start()'s deadline
+                raise self._no_global(waiting_for)
+            try:
+                if self.transport is None:
+                    self.transport = self._open()
+                if s.is_master:
+                    return None
+                snapshot = fetch()
+                if snapshot is not None:
+                    self.check_same_start()
+                    return snapshot
+                waiting_for = "the master's first global model"
+            except (RemoteNotFound, TransientError) as err:
+                if s.is_master:
+                    raise s.error(f"cannot open {s.repo_id}: {err}") from None
+                waiting_for = f"the repository ({err})"
+            except TransportError as err:
+                raise s.error(f"cannot {'open' if s.is_master else 'read'} {s.repo_id}: {err}") from None
+            except GlobalMismatch as err:
+                raise s.error(
+                    f"the global model in {s.repo_id} is not this model ({err.reason}); use the same model "
+                    "config as the master, or another repo_id"
+                ) from None
+            except InvalidTensorFile as err:
+                rejected = err.reason
+            if rejected:
+                waiting_for = f"a valid global model (the newest was rejected: {rejected})"
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                raise self._no_global(waiting_for)
+            if not announced:
+                log.info("node %s: waiting for %s in %s", s.node_id, waiting_for, s.repo_id)
+                announced = True
+            wait = min(s.poll_interval, 2.0, remaining)
+            left = time_left()
+            if left is not None:
+                wait = min(wait, max(left, 0.0))
+            self.sleep(wait)
+
+    def _open(self) -> Transport:
+        s = self.s
         try:
-            if node.transport is None:
-                try:
-                    node.transport = open_transport(
-                        s.repo_id,
-                        token=s.token,
-                        create=s.is_master,
-                        retry=s.retry,
-                        timeout_s=s.request_timeout,
-                    )
-                except ValueError as err:
-                    raise DumbDiLoCoError(f"distributed.repo_id: {err}") from None
-            if s.is_master:
+            return open_transport(
+                s.repo_id, token=s.token, create=s.is_master, retry=s.retry, timeout_s=s.request_timeout
+            )
+        except ValueError as err:
+            raise DumbDiLoCoError(f"distributed.repo_id: {err}") from None
+
+    def _no_global(self, waiting_for: str) -> DumbDiLoCoError:
+        s = self.s
+        return s.error(
+            f"no global model in {s.repo_id} after {s.startup_timeout:g}s (waiting for {waiting_for}); "
+            "start the master (distributed.role=master) with the same distributed.repo_id, or raise "
+            "distributed.startup_timeout"
+        )
+
+    def check_same_start(self) -> None:
+        """A worker built with other initial weights than the master's (another seed, model config or
+        transformers version) would compute deltas for another model: stop, naming both hashes."""
+        theirs = self.reader.step_info.get("init_sha256")
+        if theirs is not None and theirs != self.init_sha256:
+            raise self.s.error(
+                f"initial weights differ from the master's (sha256 {self.init_sha256} here, {theirs} on "
+                f"{self.reader.step_info.get('master', 'the master')}): use the master's seed, model config "
+                "and transformers version"
+            )
+
+    def await_quorum(self, outer_step: int) -> None:
+        """Past the spec: a master starting a run (`outer_step` 0) with a quorum of N nodes trains only
+        once N nodes (itself included) have announced themselves (nodes/<id>/final.json), at most until
+        the start-up deadline. Without it the master, which needs no first global, starts a few seconds
+        early and its deltas stay a round ahead of everyone else's for the whole run (tiny family: 3 s
+        of start-up is a whole round)."""
+        s = self.s
+        if not s.is_master or s.min_deltas_per_round <= 1 or outer_step > 0:
+            return
+        allowed = set(s.collaborators) | {s.node_id} if s.collaborators else None
+        while True:
+            try:
+                running = announced_nodes(self.transport, self.transport.revision())
+            except TransportError:
+                running = set()
+            running = (running if allowed is None else running & allowed) | {s.node_id}
+            if len(running) >= s.min_deltas_per_round:
+                log.info(
+                    f"master: {len(running)} node(s) running, the quorum of {s.min_deltas_per_round}: starting"
+                )
                 return
-            if (snapshot := node.fetch_global()) is not None:
-                check_same_start(node)
-                node.stage(snapshot)
+            left = time_left()
+            if left is not None and left < s.poll_interval + 5:
+                log.warning(
+                    f"master: starting with {len(running)} of the quorum's {s.min_deltas_per_round} nodes "
+                    "running"
+                )
                 return
-            waiting_for = "the master's first global model"
-        except (RemoteNotFound, TransientError) as err:
-            if s.is_master:
-                raise node.s.error(f"cannot open {s.repo_id}: {err}") from None
-            waiting_for = f"the repository ({err})"
-        except TransportError as err:
-            raise node.s.error(f"cannot {'open' if s.is_master else 'read'} {s.repo_id}: {err}") from None
-        except GlobalMismatch as err:
-            raise node.s.error(
-                f"the global model in {s.repo_id} is not this model ({err.reason}); use the same model "
-                "config as the master, or another repo_id"
-            ) from None
-        except InvalidTensorFile as err:
-            rejected = err.reason
-        if rejected:
-            waiting_for = f"a valid global model (the newest was rejected: {rejected})"
-        if (remaining := deadline - node.clock()) <= 0:
-            raise _no_global(node, waiting_for)
-        if not announced:
-            log.info("node %s: waiting for %s in %s", s.node_id, waiting_for, s.repo_id)
-            announced = True
-        wait = min(s.poll_interval, 2.0, remaining)
-        if (left := time_left()) is not None:
-            wait = min(wait, max(left, 0.0))
-        node.sleep(wait)
+            time.sleep(s.poll_interval)
 
 
 def _start_deadline_passed() -> bool:
@@ -192,44 +267,38 @@ def _start_deadline_passed() -> bool:
     return left is not None and left <= 0
 
 
-def _no_global(node: DumbDiLoCo, waiting_for: str) -> DumbDiLoCoError:
-    s = node.s
-    return s.error(
-        f"no global model in {s.repo_id} after {s.startup_timeout:g}s (waiting for {waiting_for}); "
-        "start the master (distributed.role=master) with the same distributed.repo_id, or raise "
-        "distributed.startup_timeout"
-    )
+# ---------------------------------------------------------------- the master's start
 
 
-def check_same_start(node: DumbDiLoCo) -> None:
-    """A worker built with other initial weights than the master's (another seed, model config or
-    transformers version) would compute deltas for another model: stop, naming both hashes."""
-    theirs = node.reader.step_info.get("init_sha256")
-    if theirs is not None and theirs != node.init_sha256:
-        raise node.s.error(
-            f"initial weights differ from the master's (sha256 {node.init_sha256} here, {theirs} on "
-            f"{node.reader.step_info.get('master', 'the master')}): use the master's seed, model config "
-            "and transformers version"
-        )
-
-
-def start_master(node: DumbDiLoCo) -> None:
-    """Recover the state (recovery.recover), publish it if the repository is behind, start the loop."""
-    s = node.s
-    instance = take_lease(node)
+def recover_outer_loop(
+    joiner: Joiner,
+    fetch: Callable[[], GlobalSnapshot | None],
+    check_layout: Callable[[dict[str, torch.Tensor], str], None],
+    model_state: dict[str, torch.Tensor],
+    *,
+    checkpoint: MasterState | None,
+    state_dir: Path,
+    max_file_bytes: int,
+    instance: str,
+    init_sha256: str,
+    hf_config: dict | None,
+    on_snapshot: Callable[[GlobalSnapshot], None],
+) -> tuple[OuterLoop, bool, bool]:
+    """The master's outer loop, from the newest state it can trust (recovery.recover: `state_dir`'s, the
+    trainer `checkpoint`'s or the repository's, read with `fetch`). Returns it (not started) and whether
+    the repository is behind it (publish) and whether it adopted the repository's global."""
+    s, reader = joiner.s, joiner.reader
     try:
-        local = MasterState.load(node.state_dir)
+        local = MasterState.load(state_dir)
     except (OSError, ValueError, InvalidTensorFile) as err:
-        raise DumbDiLoCoError(f"master state in {node.state_dir} is unreadable: {err}") from None
-    saved = max(
-        (x for x in (local, node.ckpt_master) if x is not None), key=lambda x: x.outer_step, default=None
-    )
+        raise DumbDiLoCoError(f"master state in {state_dir} is unreadable: {err}") from None
+    saved = max((x for x in (local, checkpoint) if x is not None), key=lambda x: x.outer_step, default=None)
     if saved is not None:  # the one recover() prefers
-        node.check_layout(saved.published(), f"the master state in {node.state_dir}")
+        check_layout(saved.published(), f"the master state in {state_dir}")
     try:
-        repo = node.fetch_global()
+        repo = fetch()
     except GlobalMismatch as err:
-        raise node.s.error(
+        raise s.error(
             f"the global model in {s.repo_id} is not this model ({err.reason}); "
             "use the model config of that run, or another repo_id"
         ) from None
@@ -237,88 +306,63 @@ def start_master(node: DumbDiLoCo) -> None:
         log.warning("master: the repository's global is corrupt (%s); it will be replaced", err)
         repo = None
     except TransportError as err:
-        raise node.s.error(f"cannot read {s.repo_id}: {err}") from None
+        raise s.error(f"cannot read {s.repo_id}: {err}") from None
 
     def published(outer_step: int):
         if not s.publish_master_state:
             return None
         try:
-            sha = node.reader.step_info.get("global_sha256", "")
-            return load_published_state(node.transport, outer_step, sha, node.max_file_bytes)
+            sha = reader.step_info.get("global_sha256", "")
+            return load_published_state(joiner.transport, outer_step, sha, max_file_bytes)
         except TransportError as err:
-            raise node.s.error(f"cannot read {s.repo_id}: {err}") from None
+            raise s.error(f"cannot read {s.repo_id}: {err}") from None
 
-    corrupt = max((k for k, _ in node.reader.rejected), default=-1)
+    corrupt = max((k for k, _ in reader.rejected), default=-1)
     state, publish, adopted = recover(
-        local, node.ckpt_master, repo, node.reader.step_info, published, node.model.state_dict(), corrupt
+        local, checkpoint, repo, reader.step_info, published, model_state, corrupt
     )
-    node.outer = OuterLoop(
-        node.transport,
+    outer = OuterLoop(
+        joiner.transport,
         state,
         node_id=s.node_id,
         collaborators=s.collaborators,
         outer_lr=s.outer_lr,
         outer_momentum=s.outer_momentum,
         poll_interval=s.poll_interval,
-        state_dir=node.state_dir,
-        max_file_bytes=node.max_file_bytes,
-        on_snapshot=node.stage,
-        hf_config=node.hf_config,
+        state_dir=state_dir,
+        max_file_bytes=max_file_bytes,
+        on_snapshot=on_snapshot,
+        hf_config=hf_config,
         min_deltas_per_round=s.min_deltas_per_round,
         staleness_weighting=s.staleness_weighting,
         delayed_nesterov_period=s.delayed_nesterov_period if s.delayed_nesterov else 0,
         publish_state=s.publish_master_state,
         keep_deltas=s.keep_deltas,
         lease_seconds=s.lease_seconds,
-        init_sha256=node.init_sha256,
+        init_sha256=init_sha256,
         instance=instance,
         published_step=-1 if repo is None else repo.outer_step,
-        published_sha256="" if repo is None else node.reader.step_info.get("global_sha256", ""),
+        published_sha256="" if repo is None else reader.step_info.get("global_sha256", ""),
     )
+    return outer, publish, adopted
+
+
+def open_outer_loop(outer: OuterLoop, settings: Settings, publish: bool, adopted: bool) -> None:
+    """A recovered outer loop's first writes: an adopted repository's deltas marked as processed, the
+    state published if the repository is behind it, and saved locally."""
     if adopted:
-        n = mark_existing_as_processed(node.outer)
+        n = mark_existing_as_processed(outer)
         log.warning(
             "master: no local master state; adopted global outer step %d from %s and treat its %d "
             "existing delta(s) as already processed",
-            state.outer_step,
-            s.repo_id,
+            outer.state.outer_step,
+            settings.repo_id,
             n,
         )
     if publish:
-        node.outer.publish()
-        log.info("master: published global outer step %d to %s", state.outer_step, s.repo_id)
-    node.outer.save_state()
-    node.stage(node.outer.snapshot())
-    node.outer.start()
-
-
-def await_quorum(node: DumbDiLoCo) -> None:
-    """Past the spec: a master starting a run with a quorum of N nodes trains only once N nodes (itself
-    included) have announced themselves (nodes/<id>/final.json), at most until the start-up deadline.
-    Without it the master, which needs no first global, starts a few seconds early and its deltas stay
-    a round ahead of everyone else's for the whole run (tiny family: 3 s of start-up is a whole round)."""
-    s = node.s
-    if not s.is_master or s.min_deltas_per_round <= 1 or node.outer.state.outer_step > 0:
-        return
-    allowed = set(s.collaborators) | {s.node_id} if s.collaborators else None
-    while True:
-        try:
-            running = announced_nodes(node.transport, node.transport.revision())
-        except TransportError:
-            running = set()
-        running = (running if allowed is None else running & allowed) | {s.node_id}
-        if len(running) >= s.min_deltas_per_round:
-            log.info(
-                f"master: {len(running)} node(s) running, the quorum of {s.min_deltas_per_round}: starting"
-            )
-            return
-        left = time_left()
-        if left is not None and left < s.poll_interval + 5:
-            log.warning(
-                f"master: starting with {len(running)} of the quorum's {s.min_deltas_per_round} nodes running"
-            )
-            return
-        time.sleep(s.poll_interval)
+        outer.publish()
+        log.info("master: published global outer step %d to %s", outer.state.outer_step, settings.repo_id)
+    outer.save_state()
 
 
 def mark_existing_as_processed(outer: OuterLoop) -> int:
@@ -334,49 +378,49 @@ def mark_existing_as_processed(outer: OuterLoop) -> int:
     return n
 
 
-def take_lease(node: DumbDiLoCo) -> str:
+def take_lease(settings: Settings, transport: Transport, state_dir: Path) -> tuple[str, IO]:
     """This master process's instance token, once it holds the repository (past the spec): an exclusive
     flock on <state_dir>/<node_id>/master.lock (one process per master state on a machine), then the lease
     global/master_lease.json, written only on top of the revision at which it was found free (a
     compare-and-swap: of two masters starting together, one wins). A fresh lease of another process is
     refused in one line, also with this node id, unless it is of the process that last held this
-    state_dir (a restart after a crash: the flock proves it is gone)."""
-    node.state_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(node.state_dir / "master.lock", "a+")  # noqa: SIM115 - held until close()
+    state_dir (a restart after a crash: the flock proves it is gone). Returns the token and the open
+    lock file, which holds the flock until it is closed."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(state_dir / "master.lock", "a+")  # noqa: SIM115 - held until close()
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
-        raise node.s.error(
-            f"another process runs this master with state_dir {node.state_dir} (it holds master.lock); "
+        raise settings.error(
+            f"another process runs this master with state_dir {state_dir} (it holds master.lock); "
             "run one master per node id"
         ) from None
     except OSError as err:
-        log.warning("master: cannot lock %s (%s); relying on the lease alone", node.state_dir, err)
+        log.warning("master: cannot lock %s (%s); relying on the lease alone", state_dir, err)
     try:
-        instance = _lease(node)
+        instance = _lease(settings, transport, state_dir)
     except BaseException:
         lock.close()
         raise
-    node.state_lock = lock
-    return instance
+    return instance, lock
 
 
-def _lease(node: DumbDiLoCo) -> str:
-    s, instance = node.s, uuid.uuid4().hex
-    previous = node.state_dir / "instance"
+def _lease(s: Settings, transport: Transport, state_dir: Path) -> str:
+    instance = uuid.uuid4().hex
+    previous = state_dir / "instance"
     before = previous.read_text().strip() if previous.exists() else ""
     if s.lease_seconds <= 0:
         return instance
     for _ in range(20):
         try:
-            revision = node.transport.revision()
-            lease = read_lease(node.transport, revision)
+            revision = transport.revision()
+            lease = read_lease(transport, revision)
             ours = lease is not None and bool(before) and lease.get("instance") == before
             other = None if ours else lease_holder(lease, instance, s.lease_seconds, time.time())
             if other is not None:
                 same = " (another process with this node id)" if other[0] == s.node_id else ""
-                raise node.s.error(
+                raise s.error(
                     f"{s.repo_id} is held by master {other[0]!r}{same} (lease heartbeat {other[1]:.0f}s ago, "
                     f"lease_seconds {s.lease_seconds:g}); run one master per repository, or start this one "
                     "after that master stopped (a clean stop releases the lease) or its lease expired"
@@ -387,14 +431,14 @@ def _lease(node: DumbDiLoCo) -> str:
                     f"master {s.node_id}: taking over {s.repo_id} from master {lease.get('master')!r} ({why})"
                 )
             blob = lease_blob(s.node_id, instance, time.time(), s.lease_seconds, -1, False)
-            node.transport.write({LEASE_PATH: blob}, message=f"{s.node_id}: lease", parent_revision=revision)
+            transport.write({LEASE_PATH: blob}, message=f"{s.node_id}: lease", parent_revision=revision)
             write_atomic(previous, instance.encode())
             return instance
         except RevisionConflict:
             continue  # the repository moved on (a delta, another master): look again
         except TransportError as err:
-            raise node.s.error(f"cannot take the lease of {s.repo_id}: {err}") from None
-    raise node.s.error(f"cannot take the lease of {s.repo_id}: the repository kept changing under it")
+            raise s.error(f"cannot take the lease of {s.repo_id}: {err}") from None
+    raise s.error(f"cannot take the lease of {s.repo_id}: the repository kept changing under it")
 
 
 def _int_map(value: object) -> dict[str, int]:

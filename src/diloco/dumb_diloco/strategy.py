@@ -1,39 +1,140 @@
-"""`distributed=dumb_diloco` for the trainer: `DumbDiLoCo`, a `Node` (node.py: the seven steps) with the
-lifecycle of diloco.strategy.Strategy around it.
+"""`distributed=dumb_diloco` for the trainer: `DumbDiLoCo`, one node (master or worker) of a DumbDiLoCo
+run, composed of parts that own their state: the `Uploader` (uploader.py: baseline, carry, the upload
+lane, the final delta and marker), the `Installer` (install.py: the staged and installed global,
+translate's snapshots), the `Joiner` (startup.py: the store, the first global, the quorum) and the
+`Counters` (counters.py); on the master, the outer loop (master.py).
 
-Invariants: the constructor does no I/O and starts no thread; `start` (after a resume) connects, recovers
-and starts the lanes (a worker without a master fails there, in one line); `finish` waits for the last
-upload (and, on the master, the last outer round) so `summary` counts it; `summary` has no side effects;
-`close` is idempotent and bounded by shutdown_timeout. Prose: docs/dumb_diloco.md ("Restarts and
-checkpoints", "Metrics").
+The seven steps after each optimizer step: (1) the trainer calls `after_inner_step`; `on_step` receives
+the local step (2); at a boundary (local_step % inner_steps == 0; or every H x pace steps,
+`dynamic_local_steps`) it takes the cumulative pseudo-gradient float32(baseline) - float32(weights), plus
+any delta whose upload failed (3), uploads it as nodes/<node_id>/delta_<local_step>.safetensors (4),
+polls for a newer global (5; between boundaries at most once per poll_interval), installs a compatible
+one (6) and tells the trainer to reset its inner optimizer (7).
+
+Invariants: no local progress is lost (a failed upload is carried into the next delta); a global is
+installed only right after a boundary captured the progress; the training thread copies the weights once
+per boundary, the upload lane subtracts/encodes/writes and the poll lane downloads (`async_*: false`
+runs them inline); a boundary that finds an upload in flight is skipped and its progress stays in the
+next cumulative delta. The constructor does no I/O and starts no thread; `start` (after a resume)
+connects, recovers and starts the lanes (a worker without a master fails there, in one line); `finish`
+waits for the last upload (and, on the master, the last outer round) so `summary` counts it; `summary`
+has no side effects; `close` is idempotent and bounded by shutdown_timeout. Prose: docs/dumb_diloco.md
+("Node lifecycle", "Restarts and checkpoints", "Metrics").
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
 
 import torch
 
-from .ending import announce, await_final_status, send_final, wait_upload
-from .lanes import DeltaJob, InlineLane
-from .node import _COUNTERS, Node
-from .recovery import MasterState, delta_layout
-from .settings import Settings
-from .startup import await_quorum, connect, start_master
-from .tensor_format import DeltaMeta
-from .transport import deadline
+from diloco.model import weights_sha256
+
+from .budget import PaceCheck
+from .counters import Counters
+from .delta_codec import DeltaCodec
+from .ending import await_final_status
+from .install import Installer
+from .lanes import Buffers, DeltaJob, InlineLane, describe, fail_fast
+from .master import OuterLoop
+from .progress import GlobalProgress
+from .recovery import GlobalSnapshot, MasterState, delta_layout, state_layout
+from .settings import DumbDiLoCoError, Settings
+from .startup import GlobalReader, Joiner, open_outer_loop, recover_outer_loop, take_lease
+from .tensor_format import InvalidTensorFile
+from .transport import HubTransport, Transport, deadline
+from .uploader import Uploader
 
 log = logging.getLogger("diloco.dumb_diloco")
 
 
-class DumbDiLoCo(Node):
+@dataclass
+class StepResult:
+    reset_optimizer: bool = False  # step 7: the trainer must clear the inner optimizer's state
+    installed: bool = False
+    metrics: dict[str, float] | None = None
+
+
+class DumbDiLoCo:
     """The trainer's strategy: one node of a DumbDiLoCo run (see the module docstring)."""
 
     name = "dumb_diloco"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        settings: Settings,
+        transport: Transport | None = None,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,  # its state is cleared after an install (step 7)
+        num_workers: int = 1,  # the run's node count, for effective_step / total_samples / tokens_seen
+        tokens_per_step: int = 0,
+        samples_per_step: int = 0,
+        hf_config: dict | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        if settings.role == "single":
+            raise ValueError("role=single has no node (it trains like distributed=none)")
+        self.model, self.s, self.optimizer, self.num_workers = model, settings, optimizer, num_workers
+        self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
+        self.hf_config = hf_config if settings.publish_hf_config else None
+        self.clock, self.sleep = clock, sleep
+        self.global_progress = GlobalProgress(settings.node_id, num_workers, settings.budget == "global")
+        state = model.state_dict()
+        # the weights this node was built with, before any checkpoint or global: the master publishes
+        # its own with every global and a worker refuses to join a master that started elsewhere
+        self.init_sha256 = weights_sha256(model)
+        layout = state_layout(state)  # what a global must look like to be installed
+        self.delta_keys = list(delta_layout(state))
+        self.translating = settings.install == "translate"
+        self.codec = DeltaCodec.from_settings(settings)  # float32, or int8/int4 with error feedback
+        self.buffers = Buffers(state, self.delta_keys, float32_wire=self.codec.bits is None)  # lanes.py
+        size = sum(t.nbytes for t in state.values())
+        self.max_file_bytes = settings.max_file_bytes or 2 * size + 16 * 2**20
+        self.state_dir = Path(settings.state_dir).expanduser() / settings.node_id
+        self.counters = Counters()
+        self.installer = Installer(
+            model, settings.node_id, self.translating, layout, self.delta_keys, self.buffers
+        )
+        self.uploader = Uploader(
+            model,
+            settings,
+            self.delta_keys,
+            self.buffers,
+            self.codec,
+            tokens_per_step=tokens_per_step,
+            samples_per_step=samples_per_step,
+            clock=clock,
+        )
+        reader = GlobalReader(layout, self.max_file_bytes, self._downloaded)
+        self.joiner = Joiner(settings, reader, self.init_sha256, transport, clock=clock, sleep=sleep)
+        self.started = False
+        self.closed = False
+        self.local_step = 0  # the last step the trainer reported
+        self._poll_lane: Any = None  # a one-thread executor or InlineLane, from `start`
+        self._polling: Future | None = None
+        self._last_poll = -math.inf
+        self.outer: OuterLoop | None = None  # the master's
+        self.ckpt_master: MasterState | None = None  # the trainer checkpoint's master state, for `start`
+        self.state_lock: IO | None = None  # the master's open <state_dir>/<node_id>/master.lock (flock)
+        self._resume: dict | None = None  # a trainer checkpoint taken mid-inner-loop (past the spec)
+        self.pace_check = PaceCheck()  # the Hub commit budget at this node's measured pace
+        self.final_status = ""  # after finish: what became of this node's final delta
+        self.max_boundary_stall = 0.0
+        self.busy_seconds, self.busy_steps = 0.0, 0  # the trainer's time between steps
+        self._left: float | None = None  # when the last on_step returned
+
+    # ---------------------------------------------------------------- the trainer's construction
 
     @classmethod
     def from_config(cls, cfg, ctx, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
@@ -75,6 +176,91 @@ class DumbDiLoCo(Node):
 
         return NodeRanks(ctx, model, optimizer, ddp, leader, settings, workers)
 
+    # ---------------------------------------------------------------- what the parts hold
+
+    @property
+    def transport(self) -> Transport | None:
+        return self.joiner.transport
+
+    @transport.setter
+    def transport(self, transport: Transport) -> None:
+        """A store put in front of the one in use (tests wrap it to inject faults)."""
+        self.joiner.transport = transport
+        self.uploader.connect(transport)
+
+    @property
+    def installed_outer_step(self) -> int:
+        return self.installer.outer_step
+
+    @property
+    def num_peers(self) -> int:
+        return self.installer.num_peers
+
+    @property
+    def reference(self) -> dict[str, torch.Tensor] | None:
+        return self.installer.reference
+
+    @property
+    def pending_snapshots(self) -> dict[int, dict[str, torch.Tensor]]:
+        return self.installer.pending_snapshots
+
+    @property
+    def last_uploaded(self) -> tuple[int, str] | None:
+        return self.uploader.last_uploaded
+
+    @property
+    def uploading(self) -> bool:
+        return self.uploader.uploading
+
+    @property
+    def polling(self) -> bool:
+        return self._polling is not None and not self._polling.done()
+
+    @property
+    def step_micros(self) -> int:
+        """This node's busy microseconds per step so far (0 before its second step)."""
+        return round(1e6 * self.busy_seconds / self.busy_steps) if self.busy_steps else 0
+
+    # the counters tests and scripts read by name (all of them: self.counters)
+    @property
+    def installs(self) -> int:
+        return self.counters.installs
+
+    @property
+    def uploads(self) -> int:
+        return self.counters.uploads
+
+    @property
+    def upload_failures(self) -> int:
+        return self.counters.upload_failures
+
+    @property
+    def skipped_boundaries(self) -> int:
+        return self.counters.skipped_boundaries
+
+    @property
+    def poll_failures(self) -> int:
+        return self.counters.poll_failures
+
+    @property
+    def rejected_globals(self) -> int:
+        return self.counters.rejected_globals
+
+    @property
+    def bytes_uploaded(self) -> int:
+        return self.counters.bytes_uploaded
+
+    @property
+    def bytes_downloaded(self) -> int:
+        return self.counters.bytes_downloaded
+
+    @property
+    def total_bytes(self) -> int:
+        outer = self.outer.bytes_uploaded + self.outer.bytes_downloaded if self.outer is not None else 0
+        return self.counters.bytes_uploaded + self.counters.bytes_downloaded + outer
+
+    # ---------------------------------------------------------------- the trainer's hooks
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return model
 
@@ -97,49 +283,192 @@ class DumbDiLoCo(Node):
         when it reaches train.max_steps, and the lr schedule is evaluated there."""
         return self.global_progress.step(step)
 
-    def finish(self) -> bool:
-        """End of training (ending.py): the last delta and the final marker (within shutdown_timeout); on a
-        worker, what the master did with that delta (within the same deadline); on the master, rounds until
-        every node's final delta is processed (within drain_timeout), whose global is installed for the
-        final evaluation. True when the model changed."""
-        end, bound = self.clock() + self.s.shutdown_timeout, time.monotonic() + self.s.shutdown_timeout
-        with deadline(bound, "shutdown"):  # the Hub's retries included
-            send_final(self, end)
-        self._stop_outer(self.s.drain_timeout)
-        self.close()
-        if self.outer is None:
-            with deadline(bound, "shutdown"):
-                self.final_status = await_final_status(self, end)
-            log.info(f"node {self.s.node_id}: final delta {self.final_status}")
+    # ---------------------------------------------------------------- the seven steps
+
+    def on_step(self, local_step: int) -> StepResult:
+        """Steps 2-7 for the optimizer step the trainer just finished (step 1)."""
+        if self.closed or not self.started:
+            raise self.s.error(
+                "this node was closed; it cannot be started again" if self.closed else "not started"
+            )
+        if self.outer is not None and self.outer.dead:  # a dead outer loop fails the master's run
+            raise self.s.error(f"the outer loop stopped: {self.outer.dead}")
+        t0, now = time.perf_counter(), self.clock()
+        if self._left is not None:  # the trainer's time for this step, without this node's stalls
+            self.busy_seconds += now - self._left
+            self.busy_steps += 1
+        self.local_step = local_step  # 2
+        self.uploader.count_step()
+        self.collect()
+        if self.s.dynamic_local_steps:  # Async Local-SGD: H x pace steps since the last capture (progress.py)
+            round_steps = self.global_progress.round_steps(self.s.inner_steps)
+            boundary = self.uploader.steps_since_capture % round_steps == 0
+        else:
+            boundary = local_step % self.s.inner_steps == 0
+        captured, installed_now = self._boundary(local_step) if boundary else (False, False)
+        if boundary or self.clock() - self._last_poll >= self.s.poll_interval:
+            self._last_poll = self.clock()
+            self.poll()  # 5
+        self.collect()  # inline lanes (v1) are done already
+        if captured and self.s.install_wait_seconds > 0:
+            self._await_inclusion(local_step)
+        when_staged = self.translating and self.s.install_when_staged  # mid-round: no progress is lost
+        installed = ((captured or when_staged) and self.install_staged()) or installed_now  # 6
+        stall = time.perf_counter() - t0
+        self.counters.stall_seconds += stall
+        result = StepResult(installed and self.s.reset_inner_optimizer, installed)  # 7
+        if boundary:
+            self.counters.boundary_stall_seconds += stall
+            self.max_boundary_stall = max(self.max_boundary_stall, stall)
+            if isinstance(self.transport, HubTransport):
+                warn = self.pace_check.boundary(self.s, self.clock())
+                if warn:
+                    log.warning("node %s: at this node's pace, %s", self.s.node_id, warn)
+            result.metrics = self.metrics(stall)
+        self._left = self.clock()
+        return result
+
+    def _boundary(self, local_step: int) -> tuple[bool, bool]:
+        """Steps 3 and 4 at a boundary (and 6 before 4 under `replace`). Returns (captured, installed)."""
+        self.counters.boundaries += 1
+        held, cap = self.installer.held, self.s.max_pending_snapshots
+        if self.uploading or 0 < cap <= held:  # its steps stay in the next cumulative delta
+            self.counters.skipped_boundaries += 1
+            if self.uploading:
+                why = "the previous upload is still in flight"
+            else:
+                why = f"{held} uploaded deltas are in no global yet (max_pending_snapshots)"
+            log.warning(f"node {self.s.node_id}: boundary at step {local_step} skipped, {why}")
+            return False, False
+        self.collect()  # an upload that ended since the first collect: its carry counts
+        job = self.capture(local_step)  # 3
+        # 6 before 4 (replace): the delta is fixed, and the snapshot, no longer the baseline, becomes it in place
+        installed = not self.translating and self.install_staged(job)
+        self.uploader.dispatch(job)  # 4
+        return True, installed
+
+    def capture(self, local_step: int) -> DeltaJob:
+        """Step 3 (uploader.capture): the weights' snapshot becomes the baseline; translate keeps it until
+        an installed global includes its delta."""
+        step_micros = self.step_micros if self.s.dynamic_local_steps else 0  # for the others' paces
+        job = self.uploader.capture(local_step, self.installer.outer_step, step_micros)
+        self.installer.remember(local_step, job.snapshot)
+        return job
+
+    def _await_inclusion(self, local_step: int) -> None:
+        """Past the spec (`install_wait_seconds`): wait at most that long for a global that includes the delta
+        captured at `local_step`, so that a node ahead of the others does not train on without it (bounded
+        staleness; nodes in time make synchronous DiLoCo's round). A failed upload ends the wait."""
+        end = self.clock() + self.s.install_wait_seconds
+        while self.uploader.carry is None and self.clock() < end:
+            staged = self.installer.staged
+            if staged is not None and staged.included.get(self.s.node_id, -1) >= local_step:
+                return
+            self.sleep(min(0.05, self.s.poll_interval))
+            if self.clock() - self._last_poll >= self.s.poll_interval:
+                self._last_poll = self.clock()
+                self.poll()
+            self.collect()
+
+    def poll(self) -> bool:
+        """Step 5 (False if a poll is still in flight). The master's globals come from its own outer
+        loop (the snapshot callback) instead."""
+        if self.s.is_master or self.polling:
             return False
-        self.final_status = self._own_final_status()
-        if (final := self.outer.snapshot()).outer_step <= self.installed_outer_step:
-            return False
-        with torch.no_grad():
-            for k, t in self.model.state_dict().items():
-                t.copy_(final.state[k])
-        log.info(
-            f"master: installed the final global (outer step {final.outer_step}) for the final evaluation"
-        )
+        self.collect()
+        self._polling = self._poll_lane.submit(self.fetch_global)
         return True
 
-    def _own_final_status(self) -> str:
-        if self.last_uploaded is None:
-            return "none: this node uploaded no delta"
-        with self.outer.lock:
-            e = self.outer.state.ledger.get((self.s.node_id, *self.last_uploaded))
-        return f"{e.status} at outer step {e.outer_step}" if e is not None else "not applied"
+    def collect(self) -> None:
+        """What the lanes finished since the last call: an upload (counted; a failed one carried into
+        the next delta) and a poll (its global staged)."""
+        done = self.uploader.collect()
+        if done is not None and done.error is None:
+            self.counters.uploads += 1
+            self.counters.bytes_uploaded += done.bytes
+        elif done is not None:
+            self.counters.upload_failures += 1
+            fail_fast(self.s, done.error, f"uploading {done.job.path}")
+            self.installer.forget(done.job.local_step)  # no global will include it: the next delta does
+            self.uploader.carry_over(done)
+        if self._polling is not None and self._polling.done():
+            future, self._polling = self._polling, None
+            err = future.exception()
+            snapshot = future.result() if err is None else None
+            if err is not None:
+                self._fetch_failed(err)
+            elif snapshot is not None:
+                self.stage(snapshot)
 
-    def _stop_outer(self, drain_timeout: float) -> None:
-        """The master's loop: rounds until every node's final delta is processed (at most `drain_timeout`;
-        0: one last round, as `close` after a failure does), then stop. Idempotent."""
-        if self.outer is not None and not self.outer._stop.is_set():  # idempotent
-            if not self.outer.stop(drain_timeout, self.s.shutdown_timeout):
-                log.warning("master: the outer loop was still running after the shutdown timeout; leaving it")
-            self.outer.save_state()
+    # ---------------------------------------------------------------- globals
+
+    def _downloaded(self, n: int) -> None:
+        self.counters.bytes_downloaded += n
+
+    def fetch_global(self) -> GlobalSnapshot | None:
+        """A global newer than the installed/staged one (startup.GlobalReader), None if there is none."""
+        try:
+            return self.joiner.fetch(self.newest_known())
+        except InvalidTensorFile:
+            self.counters.rejected_globals += 1
+            raise
+
+    def _safe_fetch(self) -> GlobalSnapshot | None:
+        try:
+            return self.fetch_global()
+        except Exception as err:  # a poll never kills training
+            self._fetch_failed(err)
+            return None
+
+    def _fetch_failed(self, err: BaseException) -> None:
+        fail_fast(self.s, err, "polling for a global")
+        if isinstance(err, InvalidTensorFile):
+            log.error("node %s: not installing the repository's global: %s", self.s.node_id, err.reason)
+        else:
+            self.counters.poll_failures += 1
+            log.warning(f"node {self.s.node_id}: polling for a global failed ({describe(err)}); will retry")
+
+    def newest_known(self) -> int:
+        return self.installer.newest_known()
+
+    def stage(self, snapshot: GlobalSnapshot) -> None:
+        """Keep the newest global for the training thread (called from any thread)."""
+        self.installer.stage(snapshot)
+
+    def check_layout(self, state: dict[str, torch.Tensor], what: str) -> None:
+        self.installer.check_layout(state, what)
+
+    def install_staged(self, job: DeltaJob | None = None) -> bool:
+        """Step 6, on the training thread: copy a staged newer global into the live model. `job`: the
+        boundary's upload, not yet dispatched (`replace`): its snapshot, which the global replaces as the
+        baseline, becomes its delta in place."""
+        snapshot = self.installer.take()
+        if snapshot is None:
+            return False
+        try:
+            self.installer.check_layout(snapshot.state, f"global outer step {snapshot.outer_step}")
+        except DumbDiLoCoError as err:
+            self.counters.rejected_globals += 1
+            log.error("node %s: not installing: %s", self.s.node_id, err)
+            return False
+        up = self.uploader
+        baseline, restarted = self.installer.install(snapshot, up.baseline, up.in_flight, job)
+        up.rebase(baseline, restart=restarted)  # translate: the node's own progress stays on top
+        self.global_progress.installed(
+            snapshot.included, self.local_step, snapshot.step_micros, self.step_micros
+        )
+        self.counters.installs += 1
+        log.info("node %s: installed global outer step %d", self.s.node_id, snapshot.outer_step)
+        return True
+
+    # ---------------------------------------------------------------- start
 
     def connect(self) -> None:
-        connect(self)  # startup.py: open the repository; a worker waits for the first global
+        """Open the repository; a worker waits for the first global and stages it (startup.Joiner)."""
+        first = self.joiner.connect(self.fetch_global, holding_a_global=self.newest_known() >= 0)
+        if first is not None:
+            self.stage(first)
+        self.uploader.connect(self.joiner.transport)
 
     def start(self) -> None:
         """Once the trainer has restored its checkpoint, before the first forward pass: connect, continue
@@ -152,23 +481,22 @@ class DumbDiLoCo(Node):
         with deadline(time.monotonic() + s.startup_timeout, "start-up"):  # retries included
             self.connect()
             if s.is_master:
-                start_master(self)
-            elif (newer := self._safe_fetch()) is not None:
-                self.stage(newer)
-            announce(self)  # the master waits for this node at its end
-            if self._resume is None:
-                await_quorum(self)  # a master with a quorum: not a round ahead of the others
+                self._start_master()
+            else:
+                newer = self._safe_fetch()
+                if newer is not None:
+                    self.stage(newer)
+            self.uploader.announce()  # the master waits for this node at its end
+            if self._resume is None and self.outer is not None:
+                self.joiner.await_quorum(self.outer.state.outer_step)  # not a round ahead of the others
             if self._resume is not None:
                 at_boundary = not (self._resume.get("steps_since_capture") or self._resume.get("carry"))
                 self._resume_inner_loop()
                 if at_boundary:  # what the uninterrupted node did there: install a newer global, if any
-                    self._install_staged()
-            elif not self._install_staged():
+                    self.install_staged()
+            elif not self.install_staged():
                 raise self.s.error("the global model cannot be installed into this model")
-        for lane, on in (("upload", s.async_delta_upload), ("poll", s.async_global_poll and not s.is_master)):
-            self._lanes[lane] = (
-                ThreadPoolExecutor(1, f"dumb-diloco-{lane}-{s.node_id}") if on else InlineLane()
-            )
+        self._start_lanes()
         self._last_poll = self.clock()
         self.started = True
         upload, poll = ("async" if on else "sync" for on in (s.async_delta_upload, s.async_global_poll))
@@ -178,30 +506,193 @@ class DumbDiLoCo(Node):
             f"{self.installed_outer_step}, a delta every {s.inner_steps} steps"
         )
 
+    def _start_lanes(self) -> None:
+        s = self.s
+
+        def lane(name: str, on: bool):
+            return ThreadPoolExecutor(1, f"dumb-diloco-{name}-{s.node_id}") if on else InlineLane()
+
+        self.uploader.start(lane("upload", s.async_delta_upload))
+        self._poll_lane = lane("poll", s.async_global_poll and not s.is_master)
+
+    def _start_master(self) -> None:
+        """Take the repository (the lease), recover the newest state, publish it if the repository is
+        behind, start the outer loop (startup.py)."""
+        instance, self.state_lock = take_lease(self.s, self.transport, self.state_dir)
+        self.outer, publish, adopted = recover_outer_loop(
+            self.joiner,
+            self.fetch_global,
+            self.installer.check_layout,
+            self.model.state_dict(),
+            checkpoint=self.ckpt_master,
+            state_dir=self.state_dir,
+            max_file_bytes=self.max_file_bytes,
+            instance=instance,
+            init_sha256=self.init_sha256,
+            hf_config=self.hf_config,
+            on_snapshot=self.stage,
+        )
+        open_outer_loop(self.outer, self.s, publish, adopted)
+        self.stage(self.outer.snapshot())
+        self.outer.start()
+
+    # ---------------------------------------------------------------- the end
+
+    def finish(self) -> bool:
+        """End of training (ending.py): the last delta and the final marker (within shutdown_timeout); on a
+        worker, what the master did with that delta (within the same deadline); on the master, rounds until
+        every node's final delta is processed (within drain_timeout), whose global is installed for the
+        final evaluation. True when the model changed."""
+        end, bound = self.clock() + self.s.shutdown_timeout, time.monotonic() + self.s.shutdown_timeout
+        with deadline(bound, "shutdown"):  # the Hub's retries included
+            self.send_final(end)
+        self._stop_outer(self.s.drain_timeout)
+        self.close()
+        if self.outer is None:
+            with deadline(bound, "shutdown"):
+                identity = (self.s.node_id, *self.last_uploaded) if self.last_uploaded else None
+                self.final_status = await_final_status(
+                    self.transport,
+                    identity,
+                    end,
+                    poll_interval=self.s.poll_interval,
+                    clock=self.clock,
+                    sleep=self.sleep,
+                )
+            log.info(f"node {self.s.node_id}: final delta {self.final_status}")
+            return False
+        self.final_status = self._own_final_status()
+        final = self.outer.snapshot()
+        if final.outer_step <= self.installed_outer_step:
+            return False
+        with torch.no_grad():
+            for k, t in self.model.state_dict().items():
+                t.copy_(final.state[k])
+        log.info(
+            f"master: installed the final global (outer step {final.outer_step}) for the final evaluation"
+        )
+        return True
+
+    def send_final(self, end: float) -> None:
+        """The steps since the last boundary (and a failed upload's progress) as one last delta, then the
+        final marker; each wait bounded by `end` (clock time)."""
+        if self.closed or not self.started:
+            return
+        if not self.wait_upload(end):
+            return
+        if self.uploader.unsent:
+            self.uploader.dispatch(self.capture(self.local_step))
+            if not self.wait_upload(end):
+                return
+        self.uploader.mark_finished(self.local_step, self.counters.uploads)
+
+    def wait_upload(self, end: float) -> bool:
+        """Wait for the upload in flight (if any) until `end`; True when none is in flight any more."""
+        self.uploader.wait(end)
+        self.collect()
+        if self.uploading:
+            self.uploader.warn_still_uploading()
+        return not self.uploading
+
+    def _own_final_status(self) -> str:
+        if self.last_uploaded is None:
+            return "none: this node uploaded no delta"
+        with self.outer.lock:
+            e = self.outer.state.ledger.get((self.s.node_id, *self.last_uploaded))
+        return f"{e.status} at outer step {e.outer_step}" if e is not None else "not applied"
+
+    def _stop_outer(self, drain_timeout: float) -> None:
+        """The master's loop: rounds until every node's final delta is processed (at most `drain_timeout`;
+        0: one last round, as `close` after a failure does), then stop. Idempotent."""
+        if self.outer is not None and not self.outer.stopped:  # idempotent
+            if not self.outer.stop(drain_timeout, self.s.shutdown_timeout):
+                log.warning("master: the outer loop was still running after the shutdown timeout; leaving it")
+            self.outer.save_state()
+
+    def close(self) -> None:
+        """Bounded shutdown (idempotent): wait for an in-flight upload and (master) a last outer round."""
+        if self.closed:
+            return
+        self.closed = True
+        self.wait_upload(self.clock() + self.s.shutdown_timeout)
+        self.uploader.shutdown()
+        if self._poll_lane is not None:
+            self._poll_lane.shutdown(wait=False, cancel_futures=True)
+        self._stop_outer(0.0)
+        if self.state_lock is not None:
+            self.state_lock.close()  # releases the flock on <state_dir>/<node_id>/master.lock
+        if self.uploader.carry is not None:
+            log.warning(
+                f"node {self.s.node_id}: {self.uploader.carry.steps} step(s) of progress were never uploaded "
+                "(upload failed)"
+            )
+
+    # ---------------------------------------------------------------- metrics, state
+
+    def metrics(self, stall: float | None = None) -> dict[str, float]:
+        c = self.counters
+        m = {
+            "outer/step": self.installed_outer_step,
+            "outer/installs": c.installs,
+            "outer_lr": self.s.outer_lr,
+            "num_peers": self.num_peers,
+            "comm/delta_bytes": self.uploader.last_delta_bytes,
+            "comm/upload_seconds": self.uploader.last_upload_seconds,
+            "comm/stall_seconds_total": c.stall_seconds,
+            "comm/bytes_uploaded": c.bytes_uploaded,
+            "comm/bytes_downloaded": c.bytes_downloaded,
+            "comm/total_bytes": self.total_bytes,
+            "comm/uploads": c.uploads,
+            "comm/upload_failures": c.upload_failures,
+            "comm/skipped_boundaries": c.skipped_boundaries,
+            "comm/poll_failures": c.poll_failures,
+        }
+        if stall is not None:
+            m["comm/boundary_stall_seconds"] = stall
+        if self.codec.bits:  # ||Q(v) - v|| / ||v|| of the last delta encoded (like DiLoCo's)
+            m["comm/cast_rel_error"] = self.codec.rel_error
+        if self.outer is not None:
+            m |= self._outer_metrics(self.outer)
+        return m
+
+    @staticmethod
+    def _outer_metrics(o: OuterLoop) -> dict[str, float]:
+        return {
+            "outer/master_step": o.state.outer_step,
+            "outer/rounds": o.rounds,
+            "outer/errors": o.errors,
+            "outer/deltas_accepted": o.deltas_accepted,
+            "outer/deltas_rejected": o.deltas_rejected,
+            "outer/pseudo_grad_norm": o.last_pseudo_grad_norm,
+            "outer/pending_deltas": o.pending,
+            "outer/staleness_max": max(o.last_staleness, default=0),  # outer steps since the base
+            "outer/staleness_mean": sum(o.last_staleness) / max(len(o.last_staleness), 1),
+        }
+
     def summary(self) -> dict:
         """Final figures (pure: what was counted so far; `close` first to count the in-flight work)."""
-        return (
-            self.metrics()
-            | {
-                "comm/boundary_stall_seconds": self.boundary_stall_seconds,
-                "comm/boundary_stall_seconds_mean": self.boundary_stall_seconds / max(self.boundaries, 1),
-                "comm/boundary_stall_seconds_max": self.max_boundary_stall,
-                "comm/boundaries": self.boundaries,
-                "outer/rejected_globals": self.rejected_globals,
-                "dumb_diloco/role": self.s.role,
-                "dumb_diloco/node_id": self.s.node_id,
-                "dumb_diloco/final_delta": self.final_status,
-                "dumb_diloco/budget": self.s.budget,
-                "dumb_diloco/local_steps": self.local_step,
-                "dumb_diloco/run_step": self.progress(self.local_step),  # this node's estimate at its end
-                "dumb_diloco/pace": self.global_progress.pace,  # its speed / the fastest's (dynamic_local_steps)
-                "dumb_diloco/round_steps": self.global_progress.round_steps(self.s.inner_steps)
-                if self.s.dynamic_local_steps
-                else self.s.inner_steps,
-            }
-            | self._budget_summary()
-            | ({"dumb_diloco/final_left": self.outer.describe_left()} if self.outer is not None else {})
-        )
+        c, s, gp = self.counters, self.s, self.global_progress
+        out = self.metrics() | {
+            "comm/boundary_stall_seconds": c.boundary_stall_seconds,
+            "comm/boundary_stall_seconds_mean": c.boundary_stall_seconds / max(c.boundaries, 1),
+            "comm/boundary_stall_seconds_max": self.max_boundary_stall,
+            "comm/boundaries": c.boundaries,
+            "outer/rejected_globals": c.rejected_globals,
+            "dumb_diloco/role": s.role,
+            "dumb_diloco/node_id": s.node_id,
+            "dumb_diloco/final_delta": self.final_status,
+            "dumb_diloco/budget": s.budget,
+            "dumb_diloco/local_steps": self.local_step,
+            "dumb_diloco/run_step": self.progress(self.local_step),  # this node's estimate at its end
+            "dumb_diloco/pace": gp.pace,  # its speed / the fastest's (dynamic_local_steps)
+            "dumb_diloco/round_steps": gp.round_steps(s.inner_steps)
+            if s.dynamic_local_steps
+            else s.inner_steps,
+        }
+        out |= self._budget_summary()
+        if self.outer is not None:
+            out["dumb_diloco/final_left"] = self.outer.describe_left()
+        return out
 
     def _budget_summary(self) -> dict:
         """On the master after its drain: the node-steps its final global holds (every node's newest applied
@@ -220,25 +711,24 @@ class DumbDiLoCo(Node):
         baseline, the steps since it, a failed upload's carry and (int8/int4) the error-feedback residual,
         so that a node restarted from this checkpoint continues its inner loop exactly (its next delta is
         the uninterrupted one). An upload in flight counts as done (its delta is in no carry)."""
-        out: dict = {k: getattr(self, k) for k in _COUNTERS}
+        up = self.uploader
+        out: dict = self.counters.state_dict()
         out |= {
             "installed_outer_step": self.installed_outer_step,
             "local_step": self.local_step,
-            "steps_since_capture": self._steps_since_capture,
-            "baseline": {k: t.clone() for k, t in self._baseline.items()},
+            "steps_since_capture": up.steps_since_capture,
+            "baseline": {k: t.clone() for k, t in up.baseline.items()},
             "last_uploaded": list(self.last_uploaded or ()),
             "progress": self.global_progress.state_dict(),
         }
-        if self.translating and self.reference is not None:  # install.translate's state (references)
-            out["translate"] = {"reference": self.reference, "included_step": self.included_step}
-            out["translate"]["pending"] = {
-                str(k): dict(v) for k, v in self.pending_snapshots.items()
-            }  # no file
+        translate = self.installer.state_dict()
+        if translate is not None:  # install.translate's state (references)
+            out["translate"] = translate
         if self.codec.error_feedback:  # int8/int4: the residual, as it is once the upload in flight succeeds
-            out["codec"] = self.codec.state_dict(self._upload[0] if self._upload is not None else None)
-        if (c := self._carry) is not None:
-            delta = {k: t.clone() for k, t in c.delta.items()}
-            out["carry"] = {"delta": delta, "base_outer_step": c.meta.base_outer_step, "steps": c.steps}
+            out["codec"] = self.codec.state_dict(up.in_flight)
+        carry = up.carry_state()
+        if carry is not None:
+            out["carry"] = carry
         if self.outer is not None:
             with self.outer.lock:
                 out["master"] = self.outer.state.to_checkpoint()
@@ -246,22 +736,20 @@ class DumbDiLoCo(Node):
 
     def load_state_dict(self, state: dict) -> None:
         """Before `start`: counters now; the master state and a mid-inner-loop baseline at `start`."""
-        for k in _COUNTERS:
-            if k in state:
-                setattr(self, k, type(getattr(self, k))(state[k]))
-        if last := state.get("last_uploaded"):
-            self.last_uploaded = (int(last[0]), str(last[1]))
+        self.counters = self.counters.loaded(state)
+        last = state.get("last_uploaded")
+        if last:
+            self.uploader.last_uploaded = (int(last[0]), str(last[1]))
         if "progress" in state:  # the run step as it was; the next install replaces it
             self.global_progress.load_state_dict(state["progress"])
         if "master" in state and self.s.is_master:
             self.ckpt_master = MasterState.from_checkpoint(state["master"])
         try:  # the error-feedback residual continues as it was (delta_codec)
-            if why := self.codec.load_state_dict(
-                state.get("codec", {}), delta_layout(self.model.state_dict())
-            ):
-                log.warning(f"node {self.s.node_id}: {why}")
+            why = self.codec.load_state_dict(state.get("codec", {}), delta_layout(self.model.state_dict()))
         except ValueError as err:
             raise self.s.error(str(err)) from None
+        if why:
+            log.warning(f"node {self.s.node_id}: {why}")
         if state.get("baseline"):  # continue that inner loop exactly (at a boundary: and a newer global)
             self._resume = state
 
@@ -271,37 +759,13 @@ class DumbDiLoCo(Node):
         is installed at the next boundary, after that boundary's delta captured the progress."""
         r, self._resume = self._resume, None
         assert r is not None
-        expected = {k: self._global_layout[k] for k in self.delta_keys}
+        expected = {k: self.installer.layout[k] for k in self.delta_keys}
         if {k: (tuple(t.shape), t.dtype) for k, t in r["baseline"].items()} != expected:
             raise self.s.error("the checkpoint's DumbDiLoCo baseline is not of this model")
-        self._baseline = {k: t.detach().to("cpu", copy=True) for k, t in r["baseline"].items()}
-        self.installed_outer_step = int(r["installed_outer_step"])
+        self.uploader.resume(r["baseline"], int(r.get("steps_since_capture", 0)), r.get("carry"))
+        self.installer.resume(int(r["installed_outer_step"]), r.get("translate"))
         self.local_step = int(r.get("local_step", 0))
-        self._steps_since_capture = int(r.get("steps_since_capture", 0))
-        if (t := r.get("translate")) and self.translating:
-            self.reference, self.included_step = dict(t["reference"]), int(t["included_step"])
-            self.pending_snapshots = {int(k): dict(v) for k, v in t["pending"].items()}
-        if c := r.get("carry"):
-            meta = DeltaMeta(self.s.node_id, 0, int(c["base_outer_step"]))
-            self._carry = DeltaJob(0, "", meta, int(c["steps"]), delta=dict(c["delta"]))
         log.info(
             f"node {self.s.node_id}: resumed mid-inner-loop at local step {self.local_step} (baseline of "
-            f"global outer step {self.installed_outer_step}, {self._steps_since_capture} step(s) since)"
+            f"global outer step {self.installed_outer_step}, {self.uploader.steps_since_capture} step(s) since)"
         )
-
-    def close(self) -> None:
-        """Bounded shutdown (idempotent): wait for an in-flight upload and (master) a last outer round."""
-        if self.closed:
-            return
-        self.closed = True
-        wait_upload(self, self.clock() + self.s.shutdown_timeout)
-        for lane in self._lanes.values():
-            lane.shutdown(wait=False, cancel_futures=True)
-        self._stop_outer(0.0)
-        if self.state_lock is not None:
-            self.state_lock.close()  # releases the flock on <state_dir>/<node_id>/master.lock
-        if self._carry is not None:
-            log.warning(
-                f"node {self.s.node_id}: {self._carry.steps} step(s) of progress were never uploaded "
-                "(upload failed)"
-            )
