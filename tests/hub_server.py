@@ -1,7 +1,8 @@
 """A loopback Hugging Face Hub for tests: the real `huggingface_hub` client talks to it over HTTP.
 
 It implements ONLY the subset of the Hub's HTTP API that `huggingface_hub` 2.4 uses for the calls
-`diloco.dumb_diloco.transport.HubTransport` makes (and `hf_hub_download`), model repos only:
+`diloco.dumb_diloco.transport.HubTransport` makes (and `hf_hub_download`) on model repos, and the
+read-only subset `datasets.load_dataset(..., streaming=True)` uses on dataset repos (`create_dataset`):
 
 =========================================================  =======================================
 POST /api/repos/create                                     create_repo (409 when it exists)
@@ -16,9 +17,18 @@ GET  /api/models/<repo>/tree/<rev>[/<path>]                list_repo_tree, recur
                                                            with a Link header (``page_size``)
 POST /api/models/<repo>/paths-info/<rev>                   get_paths_info
 GET  /api/models/<repo>/commits/<rev>                      list_repo_commits
+GET  /api/agent-harnesses                                  an empty registry (huggingface_hub's agent
+                                                           detection asks for it once a day)
 HEAD|GET /<repo>/resolve/<rev>/<path>                      X-Repo-Commit, ETag, Content-Length,
                                                            single Range requests (206 / 416)
 =========================================================  =======================================
+
+Dataset repos (read-only, made by `create_dataset(repo_id, files)`) answer the same reads under
+``/api/datasets/<repo>/...`` (``revision``, ``tree``, ``paths-info``, ``commits``) and
+``/datasets/<repo>/resolve/<rev>/<path>``; their request kinds carry a ``dataset_`` prefix
+(``dataset_info``, ``dataset_tree``, ``dataset_paths_info``, ``dataset_commits``,
+``dataset_resolve_head``, ``dataset_resolve_get``) so faults aimed at one repo type never hit the other.
+The dataset viewer (``datasets-server.<host>``) is another host and is not served.
 
 Every commit makes a new immutable snapshot, so reads pinned to an older sha keep working.
 Anything else is answered 404 and recorded in `HubServer.unknown` so a test can assert that the
@@ -26,7 +36,9 @@ client made no call this server does not model (Xet token, LFS batch, telemetry,
 
 Fault injection: `fail_next(n, status=..., kinds=..., retry_after=..., drop=..., after_apply=...)`
 fails the next n matching requests with an HTTP status (429 with Retry-After, 500, 503, ...) or
-by dropping the connection (before or, for commits, after applying them);
+by dropping the connection (before or, for commits, after applying them; ``drop_after=k`` sends the
+headers and the first k bytes of the body, then drops: a connection lost mid-file); ``path=`` limits a
+fault to requests whose path contains that text (one file of a repo);
 `fail_fraction(p, status, seed)` fails a seeded-random fraction. `counts` and `bytes_out` count
 requests and body bytes by kind (``repo_create``, ``repo_info``, ``preupload``, ``commit``,
 ``tree``, ``paths_info``, ``commits``, ``resolve_head``, ``resolve_get``); `requests` lists each
@@ -76,6 +88,7 @@ class Commit:
 @dataclass
 class Repo:
     repo_id: str
+    repo_type: str = "model"  # or "dataset"
     commits: dict[str, Commit] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # oldest first
 
@@ -94,6 +107,9 @@ class _Fault:
     after_apply: bool
     fraction: float | None = None
     rng: random.Random | None = None
+    drop_after: int | None = None  # bytes of the body sent before the connection is dropped
+    path: str | None = None  # only requests whose (unquoted) path contains this
+    skip: int = 0  # matching requests let through before the first failure
 
 
 class _Server(ThreadingHTTPServer):
@@ -111,6 +127,7 @@ class HubServer:
         self.token = token
         self.page_size = page_size
         self.repos: dict[str, Repo] = {}
+        self.datasets: dict[str, Repo] = {}  # dataset repos, by id (read-only: see create_dataset)
         self.counts: collections.Counter[str] = collections.Counter()
         self.bytes_out: collections.Counter[str] = collections.Counter()
         self.requests: list[dict] = []
@@ -166,13 +183,28 @@ class HubServer:
         retry_after: float | str | None = None,
         drop: bool = False,
         after_apply: bool = False,
+        drop_after: int | None = None,
+        path: str | None = None,
+        skip: int = 0,
     ) -> None:
         """Fail the next `n` requests of `kinds` (all kinds if None) with `status`, or drop the
-        connection (`drop=True`). `after_apply=True` (commits only) applies the commit first."""
+        connection (`drop=True`). `after_apply=True` (commits only) applies the commit first.
+        `drop_after=k` answers normally but drops the connection after k bytes of the body (a file
+        download cut mid-way); `path` limits the fault to requests whose path contains it; `skip`
+        lets that many matching requests through first (the third block of a file, say)."""
         kinds_set = frozenset([kinds] if isinstance(kinds, str) else kinds) if kinds else None
         ra = None if retry_after is None else str(retry_after)
         with self._lock:
-            self._faults.append(_Fault(n, status, kinds_set, ra, drop, after_apply))
+            self._faults.append(
+                _Fault(
+                    n, status, kinds_set, ra, drop, after_apply, drop_after=drop_after, path=path, skip=skip
+                )
+            )
+
+    def faults_left(self) -> int:
+        """How many `fail_next` failures are still to come (a test asserts its faults were met)."""
+        with self._lock:
+            return sum(f.remaining for f in self._faults if f.fraction is None)
 
     def fail_fraction(
         self, fraction: float, *, status: int = 503, seed: int = 0, kinds: str | tuple[str, ...] | None = None
@@ -187,10 +219,15 @@ class HubServer:
         with self._lock:
             self._faults.clear()
 
-    def _take_fault(self, kind: str) -> _Fault | None:
+    def _take_fault(self, kind: str, path: str = "") -> _Fault | None:
         with self._lock:
             for f in self._faults:
                 if f.kinds is not None and kind not in f.kinds:
+                    continue
+                if f.path is not None and f.path not in path:
+                    continue
+                if f.skip > 0 and f.remaining > 0:
+                    f.skip -= 1
                     continue
                 if f.fraction is not None:
                     assert f.rng is not None
@@ -227,6 +264,17 @@ class HubServer:
         repo.order.append(sha)
         return commit
 
+    def create_dataset(self, repo_id: str, files: dict[str, bytes]) -> Repo:
+        """A dataset repository holding `files` (path -> bytes) in one commit after the initial one."""
+        with self._lock:
+            repo = Repo(repo_id, repo_type="dataset")
+            self.datasets[repo_id] = repo
+            first = self._add_commit(repo, None, "initial commit", "", {".gitattributes": GITATTRIBUTES})
+            self._add_commit(
+                repo, first.sha, "add data files", "", {".gitattributes": GITATTRIBUTES, **files}
+            )
+            return repo
+
     def snapshot(self, repo_id: str, revision: str = "main") -> dict[str, bytes]:
         with self._lock:
             repo = self.repos[repo_id]
@@ -240,10 +288,20 @@ class _HttpError(Exception):
 
 
 _API_RE = re.compile(
-    r"^/api/models/(?P<repo>[^/]+/[^/]+)"
+    r"^/api/(?P<type>models|datasets)/(?P<repo>[^/]+/[^/]+)"
     r"(?:/(?P<op>revision|preupload|commit|tree|paths-info|commits)/(?P<rev>[^/]+)(?P<rest>/.*)?)?$"
 )
 _RESOLVE_RE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")
+_DATASET_RESOLVE_RE = re.compile(r"^/datasets/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)$")
+
+
+def _resolve_match(path: str) -> tuple[str, re.Match] | None:
+    """("dataset" | "model", match) for a /resolve/ URL, else None."""
+    if m := _DATASET_RESOLVE_RE.match(path):
+        return "dataset", m
+    if m := _RESOLVE_RE.match(path):
+        return "model", m
+    return None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -270,7 +328,17 @@ class _Handler(BaseHTTPRequestHandler):
         n = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(n) if n else b""
 
-    def _send(self, status: int, body: bytes = b"", headers: dict | None = None, kind: str = "", head=False):
+    def _send(
+        self,
+        status: int,
+        body: bytes = b"",
+        headers: dict | None = None,
+        kind: str = "",
+        head=False,
+        cut: int | None = None,
+    ):
+        """Answer; with `cut`, announce the whole body but send only its first `cut` bytes and drop."""
+        head = head or self.command == "HEAD"  # an error answer to a HEAD has no body either
         self.send_response(status)
         headers = dict(headers or {})
         headers.setdefault("Content-Type", "application/json")
@@ -278,6 +346,12 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in headers.items():
             self.send_header(k, v)
         self.end_headers()
+        if cut is not None:
+            with self.hub._lock:
+                self.hub.bytes_out[kind] += min(cut, len(body))
+            self.wfile.write(body[:cut])
+            self.wfile.flush()
+            return self._drop()
         if body and not head:
             with self.hub._lock:  # counted before sending, so a client never outruns the count
                 self.hub.bytes_out[kind] += len(body)
@@ -294,7 +368,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _kind(self, method: str, path: str) -> str:
         m = _API_RE.match(path)
         if m:
-            return {
+            base = {
                 None: "repo_info",
                 "revision": "repo_info",
                 "preupload": "preupload",
@@ -303,10 +377,16 @@ class _Handler(BaseHTTPRequestHandler):
                 "paths-info": "paths_info",
                 "commits": "commits",
             }[m.group("op")]
+            if m.group("type") == "datasets":
+                return "dataset_info" if base == "repo_info" else "dataset_" + base
+            return base
         if path == "/api/repos/create":
             return "repo_create"
-        if _RESOLVE_RE.match(path):
-            return "resolve_head" if method == "HEAD" else "resolve_get"
+        if path == "/api/agent-harnesses":
+            return "agent_harnesses"
+        if resolved := _resolve_match(path):
+            prefix = "dataset_" if resolved[0] == "dataset" else ""
+            return prefix + ("resolve_head" if method == "HEAD" else "resolve_get")
         return "unknown"
 
     def _handle(self, method: str):
@@ -329,8 +409,8 @@ class _Handler(BaseHTTPRequestHandler):
             )
             if kind == "unknown":
                 hub.unknown.append(f"{method} {self.path}")
-        fault = hub._take_fault(kind)
-        if fault is not None and not fault.after_apply:
+        fault = hub._take_fault(kind, unquote(path))
+        if fault is not None and not fault.after_apply and fault.drop_after is None:
             if fault.drop:
                 return self._drop()
             headers = {"Retry-After": fault.retry_after} if fault.retry_after is not None else {}
@@ -347,6 +427,8 @@ class _Handler(BaseHTTPRequestHandler):
                 headers["X-Error-Code"] = err.error_code
             headers["X-Error-Message"] = err.message
             return self._json(err.status, {"error": err.message}, headers)
+        if fault is not None and fault.drop_after is not None and raw is not None and method == "GET":
+            return self._send(status, raw, headers, kind=kind, cut=fault.drop_after)
         if fault is not None:  # after_apply: the change happened, the answer is lost
             return self._drop()
         if raw is not None:
@@ -364,8 +446,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ---- routes
 
-    def _repo(self, repo_id: str) -> Repo:
-        repo = self.hub.repos.get(repo_id)
+    def _repo(self, repo_id: str, repo_type: str = "model") -> Repo:
+        repo = (self.hub.datasets if repo_type == "dataset" else self.hub.repos).get(repo_id)
         if repo is None:
             raise _HttpError(404, f"Repository not found: {repo_id}", "RepoNotFound")
         return repo
@@ -390,10 +472,12 @@ class _Handler(BaseHTTPRequestHandler):
                     raise _HttpError(409, "You already created this model repo", headers={})
                 hub.create_repo(repo_id)
                 return 200, {"url": f"{base}/{repo_id}", "name": repo_id, "id": repo_id}, {}, None
+            if kind == "agent_harnesses" and method == "GET":  # huggingface_hub's agent detection
+                return 200, {"standardEnvVars": [], "harnesses": {}}, {}, None
 
-            if kind == "resolve_head" or kind == "resolve_get":
-                m = _RESOLVE_RE.match(path)
-                repo = self._repo(m.group("repo"))
+            if kind.endswith(("resolve_head", "resolve_get")):
+                repo_type, m = _resolve_match(path)
+                repo = self._repo(m.group("repo"), repo_type)
                 commit = self._commit_at(repo, m.group("rev"))
                 file_path = unquote(m.group("path"))
                 data = commit.files.get(file_path)
@@ -406,23 +490,24 @@ class _Handler(BaseHTTPRequestHandler):
             m = _API_RE.match(path)
             if m is None:
                 raise _HttpError(404, f"Not implemented by the loopback Hub: {method} {path}")
-            repo = self._repo(m.group("repo"))
+            repo = self._repo(m.group("repo"), "dataset" if m.group("type") == "datasets" else "model")
             op, rev = m.group("op"), m.group("rev")
-            if kind == "repo_info" and method == "GET":
+            if kind in ("repo_info", "dataset_info") and method == "GET":
                 commit = self._commit_at(repo, rev) if rev else repo.head
-                return (
-                    200,
-                    {
-                        "id": repo.repo_id,
-                        "modelId": repo.repo_id,
-                        "sha": commit.sha,
-                        "private": True,
-                        "lastModified": _iso(commit.time),
-                        "siblings": [{"rfilename": p} for p in sorted(commit.files)],
-                    },
-                    {},
-                    None,
-                )
+                info = {
+                    "id": repo.repo_id,
+                    "sha": commit.sha,
+                    "private": repo.repo_type == "model",
+                    "lastModified": _iso(commit.time),
+                    "siblings": [{"rfilename": p} for p in sorted(commit.files)],
+                }
+                if repo.repo_type == "model":
+                    info["modelId"] = repo.repo_id
+                else:
+                    info |= {"author": repo.repo_id.split("/")[0], "gated": False, "disabled": False}
+                return 200, info, {}, None
+            if repo.repo_type == "dataset" and op in ("preupload", "commit"):
+                raise _HttpError(403, "the loopback Hub's dataset repos are read-only")
             if op == "preupload" and method == "POST":
                 commit = self._commit_at(repo, rev)
                 files = json.loads(body)["files"]
@@ -498,7 +583,7 @@ class _Handler(BaseHTTPRequestHandler):
             params = {k: v[0] for k, v in query.items()}
             params["cursor"] = str(cursor + self.hub.page_size)
             enc = "/" + quote(sub, safe="") if sub else ""
-            nxt = f"{self.hub.url}/api/models/{repo.repo_id}/tree/{rev}{enc}?{urlencode(params)}"
+            nxt = f"{self.hub.url}/api/{repo.repo_type}s/{repo.repo_id}/tree/{rev}{enc}?{urlencode(params)}"
             headers["Link"] = f'<{nxt}>; rel="next"'
         return 200, page, headers, None
 

@@ -17,6 +17,14 @@ set of sites/works. Shards never overlap; the train and eval splits are disjoint
 
 The iterator's position (dataset state, epoch, packing leftovers) is returned with every batch, so a
 checkpoint stores exactly where the next batch starts.
+
+Reading from the Hub: huggingface_hub retries each HTTP request (dropped connections, 429 with
+Retry-After, 5xx; 5 times with backoff). A read that still fails reopens the stream at the position
+after the last document read (up to STREAM_REOPENS times, each going through that backoff again), so
+no document is skipped or read twice; past that, or on an error no retry cures (401/403/404, a corrupt
+file), the run stops with one line (DataError) and resumes from its last checkpoint.
+`datasets`' own retry of a failed read is switched off: it retries the read of the *decompressed*
+file, whose bytes decompressed before the failure are lost, so it continued after a gap.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import copy
 import gzip
 import hashlib
 import json
+import logging
 import os
 import queue
 import re
@@ -41,6 +50,9 @@ from omegaconf import DictConfig
 from diloco.assets import asset_path, register_resolvers  # noqa: F401  (configs use ${diloco_asset:...})
 
 IGNORE_INDEX = -100
+STREAM_REOPENS = 10  # reopens of a stream whose read failed past the client's own retries, per batch
+
+log = logging.getLogger(__name__)
 
 
 class DataError(ValueError):
@@ -224,6 +236,7 @@ def _shard_documents(data_cfg: DictConfig, split: str, shard: int, num_shards: i
         is not None
     ):
         raise error
+    _no_decompressed_read_retries()
     ds = load_dataset(
         data_cfg.path, data_cfg.get("config_name"), data_files=data_files, split=split, streaming=True
     )
@@ -237,6 +250,40 @@ def _shard_documents(data_cfg: DictConfig, split: str, shard: int, num_shards: i
         key = data_cfg.noniid_key
         return ds.filter(lambda ex: noniid_shard_of(ex.get("url", ""), key, num_shards) == shard)
     raise DataError(f"data.sharding must be 'iid' or 'noniid', got {data_cfg.sharding!r}")
+
+
+def _no_decompressed_read_retries() -> None:
+    """Make `datasets` raise a failed streaming read at once instead of retrying it. Its retry wraps the
+    read() of the decompressed file (gzip over the HTTP file): the bytes gzip had decompressed in the
+    failed call are gone, so the retried read went on after a gap (a JSON parse error ~30 s later, or
+    silently fewer documents when the gap ends on a line break). Retries happen below (huggingface_hub,
+    per HTTP request) and above (SequenceStream reopens at the last document) instead."""
+    from datasets import config
+
+    config.STREAMING_READ_MAX_RETRIES = 1
+    config.STREAMING_READ_RETRY_INTERVAL = 0
+    config.STREAMING_READ_SERVER_UNAVAILABLE_RETRY_INTERVAL = 0
+    config.STREAMING_READ_RATE_LIMIT_RETRY_INTERVAL = 0
+
+
+def _transient(error: BaseException) -> bool:
+    """A read failure that reading again may cure: a lost connection, a timeout, 408/429/5xx."""
+    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.utils import httpx
+
+    while error is not None:
+        if isinstance(error, HfHubHTTPError):
+            status = error.response.status_code if error.response is not None else None
+            return status in (408, 429) or (status or 0) >= 500
+        if isinstance(error, (ConnectionError, TimeoutError, httpx.TransportError)):
+            return True
+        error = error.__cause__
+    return False
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -277,6 +324,7 @@ class SequenceStream:
         self._docs: Iterator | None = None
         self._ds_state = self.ds.state_dict()
         self._init_state = copy.deepcopy(self._ds_state)
+        self._doc_state = self._ds_state  # the position after the last document read (reopens start there)
         self.cut_chars = 0 if self.packing else prefix_cut_chars(tokenizer, self.seq_len)
 
     # -- position ---------------------------------------------------------------------------------
@@ -288,18 +336,32 @@ class SequenceStream:
         self._buffer = list(state["buffer"])
         self._ds_state = copy.deepcopy(state["dataset"])
         self.ds.load_state_dict(self._ds_state)
+        self._doc_state = self._ds_state
         self._docs = None
 
     # -- documents --------------------------------------------------------------------------------
     def _next_texts(self, n: int) -> list[str]:
         texts: list[str] = []
         restarted_empty = False
+        reopens = 0
         while len(texts) < n:
             if self._docs is None:
                 self._docs = iter(self.ds)
             try:
                 texts.append(next(self._docs)["text"])
+                self._doc_state = self.ds.state_dict()
                 restarted_empty = False
+            except (OSError, ValueError, EOFError) as e:  # network, HTTP, gzip, JSON (pyarrow's ArrowInvalid)
+                if not _transient(e) or reopens == STREAM_REOPENS:
+                    tried = f" (reopened {reopens} times)" if reopens else ""
+                    raise DataError(
+                        f"reading data split {self.split!r} of {self.cfg.path} failed{tried}: {_one_line(e)}; "
+                        "the last checkpoint is intact: rerun the same command to resume from it"
+                    ) from e
+                reopens += 1
+                log.warning("data stream read failed (%s); reopening it at the next document", _one_line(e))
+                self.ds.load_state_dict(copy.deepcopy(self._doc_state))
+                self._docs = None
             except StopIteration:
                 if restarted_empty:
                     raise DataError(
@@ -310,6 +372,7 @@ class SequenceStream:
                 if not self.wrap:
                     break
                 self.ds.load_state_dict(copy.deepcopy(self._init_state))
+                self._doc_state = self._init_state
                 self._docs = None
         return texts
 
