@@ -3,6 +3,10 @@
     python scripts/check.py [--runs runs] [--family tiny] [--family 150m]
     python scripts/check.py --runs results/tiny      # a committed record, judged again from its summaries
     python scripts/check.py --runs runs-s1337 --runs runs-s1   # one folder per seed, judged together
+    python scripts/check.py --runs results/tiny --reference results/reference.yaml   # with today's yardstick
+
+A committed record is judged with the reference.yaml kept beside its runs (the yardstick it was made
+with), so judging it again gives the verdicts its report.md shows; runs/ folders with today's.
 
 Prints run / expected / measured / delta / verdict and exits 1 when a finished run or claim is outside
 its tolerance (runs still missing or unfinished are PENDING and do not fail the check), and when there
@@ -18,7 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from diloco.replication import REFERENCE, check, markdown_table
+from diloco.replication import check, markdown_table, reference_for
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,10 +31,20 @@ def main(argv: list[str] | None = None) -> int:
         "--runs", type=Path, action="append", help="directory holding the run directories (one per seed)"
     )
     p.add_argument("--family", action="append", help="only these families (default: every family found)")
-    p.add_argument("--reference", type=Path, default=REFERENCE)
+    p.add_argument(
+        "--reference",
+        type=Path,
+        help="the yardstick (default: a record's own reference.yaml, the one it was made with; else "
+        "results/reference.yaml)",
+    )
     args = p.parse_args(argv)
     roots = args.runs or [Path("runs")]
-    verdicts = check(roots, args.family, args.reference)
+    try:
+        reference = args.reference or reference_for(roots)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    verdicts = check(roots, args.family, reference)
     if not verdicts:
         print(
             f"error: nothing to judge: no finished run with a reference under {', '.join(map(str, roots))} "
@@ -39,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     print(markdown_table(verdicts))
+    print(f"\njudged against {reference}")
     failed = [v.id for v in verdicts if v.verdict == "FAIL"]
     pending = [v.id for v in verdicts if v.verdict == "PENDING"]
     uncertain = [v.id for v in verdicts if v.verdict == "UNCERTAIN"]

@@ -205,6 +205,9 @@ def fake_run(
         "comm/total_bytes": total_bytes,
         "tokens_seen": steps * 1024,
         "num_workers": 4,
+        # 1.3B: where the DiLoCo scaling law predicts a +0.5% loss gap, which C1 (kind loss_gap_law)
+        # judges; the family's 30.5 vs 30.0 is +0.49% in loss
+        "parameters": {"total": 1_300_000_000},
         "compute_utilization": 0.9,
         "wall_seconds": 10,
         "config": config,

@@ -3,6 +3,7 @@ least squares, on the study's own table as results/reference.yaml holds it."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import yaml
 
+from diloco import replication
 from diloco.scaling_law import LossGapLaw, from_reference, t975
 
 REFERENCE = yaml.safe_load((Path(__file__).resolve().parents[1] / "results" / "reference.yaml").read_text())
@@ -65,3 +67,48 @@ def test_columns_the_power_law_cannot_fit_are_refused_in_one_line():
 def test_t_quantiles():
     assert t975(5) == 2.571 and t975(10) == 2.228
     assert t975(30) == pytest.approx(2.042, abs=2e-3) and t975(120) == pytest.approx(1.980, abs=2e-3)
+
+
+# ------------------------------------------------------------------------------- make check's yardstick
+def fake_run(root: Path, name: str, reference: str, ppl: float, workers: int, params: int = 688_768):
+    run = root / name
+    run.mkdir(parents=True)
+    summary = {
+        "status": "completed",
+        "step": 400,
+        "num_workers": workers,
+        "parameters": {"total": params, "non_embedding": params // 2},
+        "tokens_seen": 20 * params,
+        "config": {"launch": {"reference": reference, "family": "tiny"}},
+    }
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 400, "eval/perplexity": ppl}) + "\n")
+
+
+@pytest.mark.parametrize(("gap", "verdict"), [(0.12, "PASS"), (0.03, "FAIL"), (0.40, "FAIL")])
+def test_c1_is_judged_in_loss_against_the_laws_interval_at_the_runs_size(tmp_path, gap, verdict):
+    ddp_loss = 4.0
+    fake_run(tmp_path, "ddp_mx", "tiny/ddp_mx", math.exp(ddp_loss), workers=1)
+    fake_run(tmp_path, "diloco", "tiny/diloco_fp32", math.exp(ddp_loss * (1 + gap)), workers=4)
+    c1 = next(v for v in replication.check(tmp_path, ["tiny"], replication.REFERENCE) if v.id == "C1")
+    assert c1.verdict == verdict
+    assert "[+7.1%, +20.5%] at 0.689M, M=4 (extrapolated)" in c1.expected  # numpy's, above
+    assert f"loss {ddp_loss * (1 + gap):.3f} vs {ddp_loss:.3f}: {gap:+.1%}" in c1.measured
+    assert f"(perplexity {math.exp(ddp_loss * gap) - 1:+.1%}), 20.0 tokens/param" in c1.measured
+    if verdict == "FAIL":
+        assert ("below" if gap < 0.1 else "above") in c1.measured
+
+
+def test_a_record_is_judged_with_its_own_reference_unless_told_otherwise(tmp_path):
+    ppl = math.exp(4.0 * 1.03)  # +3% in loss: the ratio claim's pass, the law's fail
+    fake_run(tmp_path, "ddp_mx", "tiny/ddp_mx", math.exp(4.0), workers=1)
+    fake_run(tmp_path, "diloco", "tiny/diloco_fp32", ppl, workers=4)
+    assert replication.reference_for([tmp_path]) == replication.REFERENCE
+    ratio = {"id": "C1", "claim": "ratio", "kind": "ratio_within", "tolerance": 0.2}
+    ratio |= {"a": "tiny/diloco_fp32", "b": "tiny/ddp_mx"}
+    old = REFERENCE | {"claims": {"tiny": [ratio]}}
+    (tmp_path / replication.RECORD_REFERENCE).write_text(yaml.safe_dump(old))
+    assert replication.reference_for([tmp_path]) == tmp_path / replication.RECORD_REFERENCE
+    assert [v.verdict for v in replication.check(tmp_path, ["tiny"]) if v.id == "C1"] == ["PASS"]
+    today = replication.check(tmp_path, ["tiny"], replication.REFERENCE)
+    assert [v.verdict for v in today if v.id == "C1"] == ["FAIL"]

@@ -16,7 +16,10 @@ from pathlib import Path
 
 import yaml
 
+from diloco import scaling_law
+
 REFERENCE = Path(__file__).resolve().parents[2] / "results" / "reference.yaml"
+RECORD_REFERENCE = "reference.yaml"  # beside a record's runs: the yardstick it was judged with
 
 
 @dataclass
@@ -241,9 +244,42 @@ def _factor(spec, run: Run) -> float:
     return float(spec[:-1] or 1) * h if spec.endswith("H") else float(spec)
 
 
-def measure(claim: dict, a: Run, b: Run) -> Measure:
+def eval_loss(run: Run) -> float | None:
+    """Held-out loss at the report step (the log of its perplexity)."""
+    ppl = run.eval_perplexity()
+    return math.log(ppl) if ppl is not None else None
+
+
+def loss_gap_law(claim: dict, a: Run, b: Run, reference: dict) -> Measure:
+    """a's gap to b in held-out loss (a/b - 1), judged against the gap the DiLoCo scaling law predicts
+    for a's size and worker count (diloco.scaling_law): PASS inside its 95% prediction interval."""
+    params = a.summary.get("parameters", {}).get(claim.get("params", "total"))
+    workers = int(a.summary.get("num_workers") or a.config.get("distributed", {}).get("num_workers", 0))
+    la, lb = eval_loss(a), eval_loss(b)
+    if not params or not workers or la is None or lb is None:
+        return Measure("the scaling law's gap", "no eval records or no size", None, False, "%")
+    try:
+        predicted = scaling_law.from_reference(reference, workers).predict(params)
+    except ValueError as err:
+        return Measure("the scaling law's gap", str(err), None, False, "%")
+    gap = la / lb - 1
+    ppl_gap = math.exp(la - lb) - 1
+    tokens = a.summary.get("tokens_seen") or 0
+    measured = (
+        f"loss {la:.3f} vs {lb:.3f}: {gap:+.1%} (perplexity {ppl_gap:+.1%}), "
+        f"{tokens / params:.1f} tokens/param"
+    )
+    ok = predicted.low <= gap <= predicted.high
+    if not ok:  # which side: a gap below the interval is DiLoCo doing better than the law predicts
+        measured += ", below the law's interval" if gap < predicted.low else ", above the law's interval"
+    return Measure(f"loss gap {predicted.describe()}", measured, gap, ok, "%")
+
+
+def measure(claim: dict, a: Run, b: Run, reference: dict | None = None) -> Measure:
     """One seed's figure for a claim in relative form (results/reference.yaml, `claims`)."""
     kind, tol = claim["kind"], claim.get("tolerance", 0.0)
+    if kind == "loss_gap_law":
+        return loss_gap_law(claim, a, b, reference or {})
     if kind == "bytes_ratio":
         factor = _factor(claim["factor"], a)
         ba, bb = a.bytes_per_inner_step(), b.bytes_per_inner_step()
@@ -285,16 +321,15 @@ def measure(claim: dict, a: Run, b: Run) -> Measure:
     return Measure(bars[kind], measured, rel, abs(rel) <= tol if kind == "ratio_within" else rel < tol, "%")
 
 
-def check_claim(claim: dict, seeds: list[dict[str, Run]]) -> Verdict:
+def check_claim(claim: dict, seeds: list[dict[str, Run]], reference: dict | None = None) -> Verdict:
     """A claim judged on every seed's runs (one dict of runs by reference key per seed)."""
     refs = (claim["a"], claim["b"])
     missing = sorted({k for runs in seeds for k in refs if runs.get(k) is None or not runs[k].finished})
     if missing:
         waiting = f"waiting for {', '.join(missing)}"
         return Verdict(claim["id"], claim["claim"], claim["kind"], waiting, "-", "PENDING")
-    return judge(
-        claim["id"], claim["claim"], [measure(claim, runs[claim["a"]], runs[claim["b"]]) for runs in seeds]
-    )
+    measures = [measure(claim, runs[claim["a"]], runs[claim["b"]], reference) for runs in seeds]
+    return judge(claim["id"], claim["claim"], measures)
 
 
 def _first_eval_step(a: Run, b: Run, step: int) -> int | None:
@@ -304,18 +339,36 @@ def _first_eval_step(a: Run, b: Run, step: int) -> int | None:
     return after[0] if after else None
 
 
+def reference_for(roots: list[Path]) -> Path:
+    """The yardstick `roots` are judged with: a committed record's own reference.yaml (the one it was
+    made with, so judging it again gives its verdicts) when the roots hold one, else today's
+    results/reference.yaml."""
+    own = {(Path(r) / RECORD_REFERENCE) for r in roots if (Path(r) / RECORD_REFERENCE).exists()}
+    if not own:
+        return REFERENCE
+    texts = {p.read_text() for p in own}
+    if len(texts) > 1 or len(own) < len(roots):
+        raise ValueError(
+            f"the records under {', '.join(map(str, roots))} were judged with different references: "
+            "name one with --reference"
+        )
+    return sorted(own)[0]
+
+
 def check(
-    roots: Path | list[Path], families: list[str] | None = None, reference_path: Path = REFERENCE
+    roots: Path | list[Path], families: list[str] | None = None, reference_path: Path | None = None
 ) -> list[Verdict]:
     """Every check of `families` on the runs under each root (one root per seed: the same family run
-    with another seed; a root of seed folders counts as its folders), judged per seed and together."""
-    reference = yaml.safe_load(Path(reference_path).read_text())
+    with another seed; a root of seed folders counts as its folders), judged per seed and together,
+    against `reference_path` (default: reference_for(roots))."""
     roots = [roots] if isinstance(roots, str | Path) else roots
+    reference = yaml.safe_load(Path(reference_path or reference_for(roots)).read_text())
     seeds = [by_reference(load_runs(seed)) for root in roots for seed in seed_roots(root)]
     wanted = families or sorted({k.split("/")[0] for runs in seeds for k in runs})
     verdicts = [v for v in check_absolute(seeds, reference) if v.id.split("/")[0] in wanted]
     for family in wanted:
-        verdicts += [check_claim(c, seeds) for c in (reference.get("claims") or {}).get(family, [])]
+        claims = (reference.get("claims") or {}).get(family, [])
+        verdicts += [check_claim(c, seeds, reference) for c in claims]
     return verdicts
 
 
