@@ -166,6 +166,7 @@ if [[ $DRY_RUN == 1 ]]; then
 fi
 mkdir -p "$LOG_DIR"
 echo "# $(date -u +%FT%TZ) $SHOWN" >> "$LOG"
+[[ -z $notes ]] || echo "$notes" >> "$LOG"  # the notes printed above: the log holds all the terminal shows
 # In the background, so that a SIGTERM sent to this script is passed on to the run (a waiting bash
 # would die and leave it running); a Ctrl+C reaches it from the terminal, once (`trap - INT`: a
 # background command would otherwise start with Ctrl+C ignored). tee -i keeps logging through the
