@@ -470,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
                 run_local(name, args.runs, args.override, device)
             return 0
         hosts = read_hosts(args.hosts_file or Path(os.environ.get("NODES_FILE") or "configs/local/nodes.txt"))
+        if shutil.which(SSH[0]) is None:
+            raise PlanError(
+                "no ssh client on PATH: the nodes are started over ssh (on SLURM use srun, see README)"
+            )
         cluster = [
             f"out_dir={args.runs}",
             *args.override,
