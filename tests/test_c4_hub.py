@@ -16,9 +16,11 @@ file-wise when the file count divides the workers and document-wise otherwise (w
 `split_dataset_by_node` does), disjoint and covering; `noniid` by `domain` puts each site on one shard;
 `eval_subset` report/tune are the validation split's even/odd documents; a training run consumes the
 same sequences as the same files read locally (bit-identical losses) and counts one epoch per 64
-documents; a resumed run continues at the next document; a dropped connection, a 500 and a 429 are
-retried without changing a loss; a failure no retry cures stops the run with one line and resumes
-exactly from the last checkpoint.
+documents; a failure no retry cures (a 403) stops the run with one line, and the same command resumes
+it at the next document, bit for bit, while a dropped connection, a 500, a 429 and a failure past
+huggingface_hub's retries are retried without changing a loss.
+
+Five subprocesses in all (the probe and four training runs), most of their time importing torch.
 """
 
 from __future__ import annotations
@@ -162,12 +164,12 @@ PROBE = textwrap.dedent(
     from diloco.data import document_stream
     base = OmegaConf.load("configs/data/c4.yaml")
     out = {}
-    for name, split, shard, num_shards, extra in json.loads(sys.argv[1]):
+    for name, split, shard, num_shards, extra, part in json.loads(sys.argv[1]):
         cfg = OmegaConf.merge(base, extra)
         # the timestamp's digits: pyarrow reads C4's "2019-04-25T12:57:54Z" as a timestamp, which the
         # README's `string` feature turns into "2019-04-25 12:57:54" (data.py reads text and url only)
         out[name] = [[d["text"], re.sub(r"\\D", "", str(d["timestamp"])), d["url"]]
-                     for d in document_stream(cfg, split, shard, num_shards)]
+                     for d in document_stream(cfg, split, shard, num_shards, tuple(part))]
     print(json.dumps(out))
     """
 )
@@ -248,9 +250,8 @@ def _env(c4, record: Path, *, no_backoff_wait: bool = False) -> dict:
     guard = record.parent / "guard"
     guard.mkdir(exist_ok=True)
     (guard / "sitecustomize.py").write_text(GUARD)
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_TOKEN")
-    }
+    # online (to the loopback Hub only), no token, and every cache under the test's folder
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE_", "HUGGINGFACE_"))}
     env |= {
         "HF_ENDPOINT": c4.url,
         "HF_HOME": str(record.parent / "hf_home"),
@@ -300,16 +301,23 @@ def _data_state(run_dir: Path) -> dict:
 
 # ------------------------------------------------------------------------------------------ the streams
 def test_streams_read_the_repositorys_documents_split_and_sharded(c4, tmp_path):
+    whole = (0, 1)
     queries = [
-        ("train", "train", 0, 1, {}),
-        ("validation", "validation", 0, 1, {}),
-        ("report", "validation", 0, 1, {"eval_subset": "report"}),
-        ("tune", "validation", 0, 1, {"eval_subset": "tune"}),
+        ("train", "train", 0, 1, {}, whole),
+        ("validation", "validation", 0, 1, {}, whole),
+        ("report", "validation", 0, 1, {"eval_subset": "report"}, whole),
+        ("tune", "validation", 0, 1, {"eval_subset": "tune"}, whole),
     ]
+    noniid = {"sharding": "noniid", "noniid_key": "domain"}
     for n in (2, 3):
         for s in range(n):
-            queries.append((f"iid{n}.{s}", "train", s, n, {}))
-            queries.append((f"noniid{n}.{s}", "train", s, n, {"sharding": "noniid", "noniid_key": "domain"}))
+            queries.append((f"iid{n}.{s}", "train", s, n, {}, whole))
+            queries.append((f"noniid{n}.{s}", "train", s, n, noniid, whole))
+    # a DumbDiLoCo node's shard (data.shard) split among the node's 2 ranks
+    for r in range(2):
+        queries.append((f"node0of2.{r}", "train", 0, 2, {}, (r, 2)))
+        queries.append((f"node1of3.{r}", "train", 1, 3, {}, (r, 2)))
+        queries.append((f"noniid-node1of2.{r}", "train", 1, 2, noniid, (r, 2)))
     c4.reset_counters()
     record = tmp_path / "probe.record"
     proc = subprocess.run(
@@ -344,6 +352,14 @@ def test_streams_read_the_repositorys_documents_split_and_sharded(c4, tmp_path):
         assert all(sites) and sum(len(x) for x in sites) == len(set().union(*sites)) == len(SITES)
         for sh in shards:  # and each shard keeps the split's order
             assert sh == [d for d in train if d in sh]
+    # a DumbDiLoCo node's 2 ranks split the node's own shard: its 2 files one each, or its every-3rd
+    # documents every 6th (before, they split the whole split again and read other nodes' files)
+    for r in range(2):
+        assert got[f"node0of2.{r}"] == files[0::2][r]
+        assert got[f"node1of3.{r}"] == train[1 + 3 * r :: 6]
+    assert sorted(got["node1of3.0"] + got["node1of3.1"]) == sorted(got["iid3.1"])
+    assert sorted(got["noniid-node1of2.0"] + got["noniid-node1of2.1"]) == sorted(got["noniid2.1"])
+    assert not {tuple(d) for d in got["noniid-node1of2.0"]} & {tuple(d) for d in got["noniid-node1of2.1"]}
     # the client made only calls this Hub models; the one it refused was the dataset viewer (another host)
     assert c4.unknown == []
     assert _refused(record) <= {f"datasets-server.{urlsplit(c4.url).hostname}"}
@@ -369,6 +385,8 @@ def full_run(c4, tmp_path_factory):
         f"+data.data_files.validation={local}/c4-validation.*.json.gz",
     )
     assert disk.returncode == 0, disk.stderr[-3000:]
+    # the one call refused was the dataset viewer's (another host), as for C4 on the real Hub
+    assert _refused(tmp / "hub.record") <= {f"datasets-server.{urlsplit(c4.url).hostname}"}
     return tmp / "hub", tmp / "disk"
 
 
@@ -383,56 +401,60 @@ def test_a_c4_run_trains_on_exactly_the_files_documents(full_run):
     assert summary["status"] == "completed"
 
 
-def test_a_resumed_c4_run_continues_at_the_next_document(c4, full_run, tmp_path):
-    first = _train(c4, tmp_path, "part", "train.max_steps=5")  # stops mid-file (document 20 of 64)
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = _train(c4, tmp_path, "part")
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stderr
-    assert _losses(tmp_path / "part") == _losses(full_run[0])
-
-
-def test_dropped_connections_500s_and_429s_are_retried_without_changing_a_loss(c4, full_run, tmp_path):
-    c4.clear_faults()
+@pytest.fixture(scope="module")
+def stopped_and_resumed(c4, tmp_path_factory):
+    """A run stopped by a failure no retry cures (a 403 on the third train file, after the checkpoint
+    at step 5, mid-file), then rerun with the same command while the Hub drops a connection mid-response,
+    answers a 500 and a 429 (Retry-After 7), and drops one request more often than huggingface_hub
+    retries it (6 times; on a file's third request, after gzip has decompressed its second within the
+    same read: datasets' own retry of that read lost those bytes, now the stream is reopened)."""
+    tmp = tmp_path_factory.mktemp("c4_stopped")
     get = "dataset_resolve_get"
+    c4.clear_faults()
+    c4.fail_next(1, kinds=get, path="train.00002", skip=1, status=403)
+    try:
+        stopped = _train(c4, tmp, "run", "train.checkpoint_every=5")
+        left = c4.faults_left()
+    finally:
+        c4.clear_faults()
+    assert left == 0, stopped.stderr[-3000:]
+    stopped_losses = _losses(tmp / "run")
     # each file is three range requests here; `skip` counts the requests a fault lets through (retries
     # included; a request is met by the first fault that matches it)
     c4.fail_next(1, kinds=get, path="train.00001", skip=1, drop_after=1000)  # cut mid-response
     c4.fail_next(1, kinds=get, path="train.00002", status=500)
     c4.fail_next(1, kinds=get, path="train.00003", skip=2, status=429, retry_after=7)
-    # more failures than huggingface_hub retries (6) on a file's third request, after gzip has decompressed
-    # the second within the same read: datasets' own retry of that read lost those bytes; now reopened
     c4.fail_next(6, kinds=get, path="train.00002", skip=2, drop_after=1000)
     try:
-        run = _train(c4, tmp_path, "faults", no_backoff_wait=True)
+        resumed = _train(c4, tmp, "run", "train.checkpoint_every=5", no_backoff_wait=True)
         left = c4.faults_left()
     finally:
         c4.clear_faults()
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert left == 0  # every fault was met
-    assert _losses(tmp_path / "faults") == _losses(full_run[0])
-    assert "reopening it at the next document" in run.stderr
-    assert 8.0 in _waits(tmp_path / "faults.record")  # the 429's Retry-After (7 s, +1 s) was honoured
+    assert left == 0, resumed.stderr[-3000:]  # every fault was met
+    return stopped, stopped_losses, resumed, tmp / "run"
 
 
-def test_a_failure_no_retry_cures_stops_with_one_line_and_resumes_exactly(c4, full_run, tmp_path):
-    c4.clear_faults()
-    c4.fail_next(1, kinds="dataset_resolve_get", path="train.00002", skip=1, status=403)
-    try:
-        run = _train(c4, tmp_path, "stopped")
-        left = c4.faults_left()
-    finally:
-        c4.clear_faults()
-    assert run.returncode == 2, run.stderr[-3000:]
-    assert left == 0
-    last = run.stderr.strip().splitlines()[-1]
+def test_a_failure_no_retry_cures_stops_the_run_with_one_line(stopped_and_resumed):
+    stopped, losses, _, _ = stopped_and_resumed
+    assert stopped.returncode == 2, stopped.stderr[-3000:]
+    last = stopped.stderr.strip().splitlines()[-1]
     assert last.startswith("error: reading data split 'train' of allenai/c4 failed: HfHubHTTPError: ")
     assert "403" in last and "rerun the same command" in last
-    stopped_at = _losses(tmp_path / "stopped")[-1][0]
-    assert 4 <= stopped_at < STEPS  # it had trained, and checkpointed at step 4
-    again = _train(c4, tmp_path, "stopped")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert _losses(tmp_path / "stopped") == _losses(full_run[0])
+    assert 5 <= losses[-1][0] < STEPS  # it had trained past its checkpoint at step 5
+
+
+def test_the_rerun_resumes_at_the_next_document(stopped_and_resumed, full_run):
+    _, _, resumed, run_dir = stopped_and_resumed
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "at step 5" in resumed.stderr  # document 20 of 64, mid-file
+    assert _losses(run_dir) == _losses(full_run[0])  # bit for bit, through every injected fault
+
+
+def test_dropped_connections_500s_and_429s_are_retried_without_changing_a_loss(stopped_and_resumed):
+    _, _, resumed, run_dir = stopped_and_resumed
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.count("reopening it at the next document") == 1  # the one past the client's retries
+    assert 8.0 in _waits(run_dir.parent / "run.record")  # the 429's Retry-After (7 s, +1 s) was honoured
 
 
 def test_domains_of_the_fixture_reach_every_noniid_shard():

@@ -208,12 +208,31 @@ def document_stream(
 ):
     """A `datasets.IterableDataset` of this shard's documents (dicts with `text` and `url`); with `part`
     (r, G), the r-th of G disjoint parts of the shard (a DumbDiLoCo node's shard split among its ranks)."""
-    ds = _shard_documents(data_cfg, split, shard, num_shards)
-    if part[1] > 1:
-        from datasets.distributed import split_dataset_by_node
+    from datasets.distributed import split_dataset_by_node
 
-        return split_dataset_by_node(ds, rank=part[0], world_size=part[1])
-    return ds
+    rank, parts = part
+    if parts > 1 and num_shards > 1 and data_cfg.sharding == "iid":
+        return _part_of_iid_shard(data_cfg, split, shard, num_shards, rank, parts)
+    ds = _shard_documents(data_cfg, split, shard, num_shards)
+    return split_dataset_by_node(ds, rank=rank, world_size=parts) if parts > 1 else ds
+
+
+def _part_of_iid_shard(data_cfg: DictConfig, split: str, shard: int, num_shards: int, rank: int, parts: int):
+    """Part `rank` of `parts` of i.i.d. shard `shard`: the shard's own documents, split again.
+    split_dataset_by_node of a dataset it split already splits the whole split once more (part
+    shard*parts+rank of num_shards*parts; `datasets` applies the split when iterating, after any
+    filter), so a node's ranks read files of other nodes' shards, and a node of 2 ranks overlaps a
+    node of 1. Here: the shard's files (as split_dataset_by_node picks them) split among the parts,
+    or, when the shard is every num_shards-th document, every (num_shards*parts)-th from its first."""
+    from datasets.distributed import split_dataset_by_node
+
+    if not 0 <= shard < num_shards:
+        raise DataError(f"data shard {shard} is outside [0, {num_shards})")
+    whole = _shard_documents(data_cfg, split, 0, 1)
+    if whole.num_shards % num_shards == 0:  # file-wise: files shard, shard+num_shards, ...
+        files = whole.shard(num_shards=num_shards, index=shard, contiguous=False)
+        return split_dataset_by_node(files, rank=rank, world_size=parts)
+    return split_dataset_by_node(whole, rank=shard + num_shards * rank, world_size=num_shards * parts)
 
 
 def _shard_documents(data_cfg: DictConfig, split: str, shard: int, num_shards: int):
@@ -351,6 +370,8 @@ class SequenceStream:
                 texts.append(next(self._docs)["text"])
                 self._doc_state = self.ds.state_dict()
                 restarted_empty = False
+            except DataError:  # e.g. a bad noniid_key, met by the filter while reading
+                raise
             except (OSError, ValueError, EOFError) as e:  # network, HTTP, gzip, JSON (pyarrow's ArrowInvalid)
                 if not _transient(e) or reopens == STREAM_REOPENS:
                     tried = f" (reopened {reopens} times)" if reopens else ""
