@@ -48,14 +48,16 @@ def _quiet_on_stop(handler):
 
 
 class _ExpectedExits(logging.Filter):
-    """Drops torchrun's "failed (exitcode: 130|2) local_rank: ..." line (the rank said why itself) and
-    its "Sending process N closing signal" lines (ending the other ranks is routine; a real failure
-    still ends in torchrun's own report)."""
+    """Drops torchrun's "failed (exitcode: 130|2) local_rank: ..." line (the rank said why itself), its
+    "Sending process N closing signal" lines (ending the other ranks is routine; a real failure still
+    ends in torchrun's own report) and the rendezvous's warnings that node 0's store is gone (main()
+    says so in one line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
         expected = msg.startswith("failed (exitcode") and record.args
-        routine = msg.startswith("Sending process") or "has failed to shutdown the rendezvous" in msg
+        gone = ("has failed to shutdown the rendezvous", "has failed to send a keep-alive heartbeat")
+        routine = msg.startswith("Sending process") or any(g in msg for g in gone)  # node 0's store died
         return not (expected and record.args[0] in (STOPPED, USER_ERROR)) and not routine
 
 

@@ -10,7 +10,7 @@ import logging
 import os
 import signal
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -47,7 +47,10 @@ class DistContext:
 
     def barrier(self) -> None:
         if self.initialized:
-            dist.barrier()
+            try:
+                dist.barrier()
+            except RuntimeError as err:  # e.g. at a checkpoint: the same line as anywhere else
+                raise peer_lost(err) from None
 
 
 def launched_by_torchrun() -> bool:
@@ -127,6 +130,12 @@ class LocalTraining:
 
 class DistributedError(RuntimeError):
     """Ranks that cannot train together (different models, a dead peer); one readable line."""
+
+
+def peer_lost(err: RuntimeError) -> DistributedError:
+    return DistributedError(
+        f"a peer rank died, hung or lost its connection ({str(err).splitlines()[0][:200]})"
+    )
 
 
 def _resolve_topology(dcfg, world_size: int, local_world_size: int) -> int:
@@ -220,6 +229,7 @@ class DataParallel:
         self.bucket_cap_mb = dcfg.get("ddp_bucket_cap_mb")  # None: DDP's default
         self.log_every = int(dcfg.get("comm_log_every") or 0)
         self.ddp = None
+        self.lost: RuntimeError | None = None  # a gradient all-reduce's failure (_peer_failure_named)
         self.total_bytes = 0  # bytes this rank handed to gradient all-reduces
         self._logged_bytes, self._logged_step = 0, 0
 
@@ -246,7 +256,27 @@ class DataParallel:
         return False
 
     def grad_sync(self, last_micro_step: bool):
-        return self.ddp.no_sync() if self.ddp is not None and not last_micro_step else nullcontext()
+        if self.ddp is None:
+            return nullcontext()
+        return self._peer_failure_named() if last_micro_step else self.ddp.no_sync()
+
+    @contextmanager
+    def _peer_failure_named(self):
+        """A gradient all-reduce that failed (a peer died) comes out of backward() as the autograd
+        engine's RuntimeError: it ends the run with the line a failed collective gives anywhere else."""
+        try:
+            yield
+        except RuntimeError:
+            if self.lost is None:
+                raise
+            raise peer_lost(self.lost) from None
+
+    def _note_failure(self, fut):
+        try:
+            return fut.value()
+        except RuntimeError as err:
+            self.lost = err
+            raise
 
     def after_inner_step(self, step: int) -> dict[str, float]:
         if not self.log_every or step % self.log_every:
@@ -286,7 +316,7 @@ _DDP_ARGS = inspect.signature(DDP).parameters
 def _counting_allreduce_hook(state: DataParallel, bucket):
     buf = bucket.buffer()
     state.total_bytes += buf.numel() * buf.element_size()
-    return default_hooks.allreduce_hook(state.group, bucket)
+    return default_hooks.allreduce_hook(state.group, bucket).then(state._note_failure)
 
 
 class StopFlag:
@@ -336,9 +366,7 @@ class StopAgreement:
         try:
             work.wait()
         except RuntimeError as err:  # a peer rank died: one readable line, not a gloo traceback
-            raise DistributedError(
-                f"a peer rank died, hung or lost its connection ({str(err).splitlines()[0][:200]})"
-            ) from None
+            raise peer_lost(err) from None
         return bool(flag.item())
 
 
