@@ -9,7 +9,7 @@ delta is written exactly as before (no block size in its header).
 
 Node (`DeltaCodec`): v = delta + residual; payload = quant.encode(v); the residual after it is v - Q(v),
 committed only once the upload succeeded. A failed upload leaves the residual as it was and its
-unquantized delta is carried into the next one (node.py), so nothing is lost or counted twice: the sum
+unquantized delta is carried into the next one (uploader.py), so nothing is lost or counted twice: the sum
 of what the master decoded plus the residual equals the sum of the node's deltas. The residual is a
 difference of deltas, not a position: install.translate does not shift it.
 
