@@ -70,6 +70,10 @@ def check_run(overrides: list[str]) -> str | None:
 
     cfg = compose_overrides(overrides)
     topo = topology(cfg)
+    if topo["mode"] == "none" and topo["world_size"] > 1:  # what every rank would refuse (distributed.py)
+        raise PlanError(
+            f"launched with {topo['world_size']} ranks but distributed=none; choose distributed=ddp or diloco"
+        )
     try:
         validate(cfg)
         check_batch_split(

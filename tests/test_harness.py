@@ -137,6 +137,18 @@ def test_dry_run_dumb_diloco_roles(role, tmp_path):
             "--role master or",
         ),
         (["--experiment", "tiny/ddp_mx", "--cpu", "--bogus"], {}, "unknown option --bogus"),
+        (  # every rank would refuse it: the dry run does (found by tests/test_replicate_ssh.py's author)
+            ["--experiment", "tiny/ddp_1x", "--cpu", "--nodes", "2", "--node-rank", "1"]
+            + ["--rdzv", "127.0.0.1:1", "--dry-run", "--", "train.micro_batch_size=4"],
+            {},
+            "launched with 2 ranks but distributed=none",
+        ),
+        (  # a quorum of 4 on 2 nodes: the master would wait for deltas no node sends, until startup_timeout
+            ["--experiment", "tiny/dumb_diloco", "--cpu", "--nodes", "2", "--role", "master"]
+            + ["--node-id", "m", "--repo-id", "/x", "--dry-run"],
+            {},
+            "min_deltas_per_round=4 is more than this run's 2 node(s)",
+        ),
     ],
 )
 def test_launch_errors_are_one_readable_line(args, env, message, tmp_path):

@@ -489,6 +489,12 @@ def _check_dumb_diloco_run(cfg: DictConfig) -> None:
     nodes = cfg.data.get("num_shards") or cfg.launch.nodes
     if d.get("budget") == "global" and nodes == 1:
         raise ConfigError("distributed.budget=global needs nodes: data.num_shards or launch.nodes above 1")
+    if d.role != "single" and d.min_deltas_per_round > nodes:  # the master would wait for nodes never started
+        raise ConfigError(
+            f"distributed.min_deltas_per_round={d.min_deltas_per_round} is more than this run's {nodes} "
+            "node(s) (data.num_shards, else launch.nodes): the master would wait for deltas no node sends; "
+            f"set it to at most {nodes}"
+        )
     budget = config_budget(cfg)
     if budget is None or not on_hub(d.repo_id):
         return
