@@ -439,7 +439,9 @@ def test_a_failure_no_retry_cures_stops_the_run_with_one_line(stopped_and_resume
     assert stopped.returncode == 2, stopped.stderr[-3000:]
     last = stopped.stderr.strip().splitlines()[-1]
     assert last.startswith("error: reading data split 'train' of allenai/c4 failed: HfHubHTTPError: ")
-    assert "403" in last and "rerun the same command" in last
+    assert (
+        "403" in last and "/en/c4-train.00002-of-00004.json.gz)" in last and "rerun the same command" in last
+    )
     assert 5 <= losses[-1][0] < STEPS  # it had trained past its checkpoint at step 5
 
 

@@ -302,7 +302,10 @@ def _transient(error: BaseException) -> bool:
 
 def _one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    line = f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+    response = getattr(error, "response", None)  # an HTTP error: name the file
+    url = getattr(getattr(response, "request", None), "url", None) if response is not None else None
+    return f"{line} ({url})" if url else line
 
 
 # ---------------------------------------------------------------------------------------------------
