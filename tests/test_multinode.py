@@ -12,9 +12,11 @@
   The 1-rank-per-node runs are these interrupted ones: the resumed result is compared with one node's
   uninterrupted run, which checks the resume and the two nodes at once.
 
-Node 0's torchrun hosts the c10d store on the --rdzv port, as on a cluster, so the test cannot hold the
-port: it is one the kernel chose for a socket bound to 127.0.0.1:0 and closed (node 1's launch waits until
-node 0 answers there). Each node's terminal is a file of its own, printed (its tail) when an assertion
+Node 0's torchrun hosts the c10d store on the --rdzv port, as on a cluster (node 1's launch waits until
+it answers there). The port is one the kernel chose for a socket the test binds to 127.0.0.1:0 with
+SO_REUSEADDR and keeps, never listening, for the whole launch: no other process is given that port (a plain
+bind is refused, connect() skips bound ports), yet the store, which binds with SO_REUSEADDR too, can listen
+on it. A port closed and handed over would be anyone's until node 0 binds it. Each node's terminal is a file of its own, printed (its tail) when an assertion
 fails; waits are on files and exits, with deadlines. The step a run stops or dies at is wherever it is
 when the signal lands, so the run after it is told where to end (train.max_steps = last checkpoint + 3)
 and the reference is run to the same step.
@@ -56,7 +58,7 @@ SHAPE = [  # the micro model, a few steps of 4 sequences of 32 tokens; a checkpo
     "wandb.mode=disabled",
 ]
 LONG = ["train.max_steps=100000", "optim.total_steps=100000"]  # until a signal stops it
-TIMEOUT = 20  # distributed.timeout_seconds of the runs a node is killed in
+TIMEOUT = 30  # distributed.timeout_seconds of the runs a node is killed in (also their start-up's)
 CLOCKS = ("seconds", "time", "utilization", "tokens_per_second")  # logged values that are not the math
 # Not compared in a checkpoint: `datasets`' own record of the stream's position, which the resumed runs
 # here write differently (shard_example_idx 0 and previous_state None where the uninterrupted run has 2799
@@ -73,10 +75,12 @@ def overrides(mode: str, ranks_per_node: int) -> list[str]:
     return SHAPE + (extra if mode == "diloco" else [])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def held_port() -> socket.socket:
+    """A port of 127.0.0.1 kept from every other process but node 0's store (see the module docstring)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 # ------------------------------------------------------------------------------------------ nodes
@@ -113,12 +117,13 @@ class Launch:
 
     def __init__(self, out_dir: Path, mode: str, nodes: int, ranks_per_node: int, extra: list[str], tag: str):
         out_dir.mkdir(parents=True, exist_ok=True)
+        self.port = held_port() if nodes > 1 else None
         args = ["--experiment", EXPERIMENT[mode], "--cpu"]
         run = [f"out_dir={out_dir}", f"launch.gpus_per_node={ranks_per_node}", *extra]
         if nodes == 1:
             self.nodes = [Node(f"one node, {tag}", [*args, "--", *run], out_dir / f"one-{tag}.terminal")]
         else:
-            rdzv = ["--nodes", "2", "--rdzv", f"127.0.0.1:{free_port()}"]
+            rdzv = ["--nodes", "2", "--rdzv", f"127.0.0.1:{self.port.getsockname()[1]}"]
             self.nodes = [
                 Node(
                     f"node {r}, {tag}",
@@ -149,6 +154,8 @@ class Launch:
             if n.proc.poll() is None:
                 n.signal(signal.SIGKILL)
                 n.proc.wait(timeout=30)
+        if self.port is not None:
+            self.port.close()
 
 
 @pytest.fixture
