@@ -113,22 +113,31 @@ class Node:
 
 
 class Launch:
-    """The nodes of one run: two over loopback (node 0 hosts the rendezvous) or a single one."""
+    """The nodes of one run: two over loopback (node 0 hosts the rendezvous) or a single one. Every node
+    has `out_dir` (a shared filesystem), or node r its own `out_dir[r]`."""
 
-    def __init__(self, out_dir: Path, mode: str, nodes: int, ranks_per_node: int, extra: list[str], tag: str):
-        out_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, out_dir, mode: str, nodes: int, ranks_per_node: int, extra: list[str], tag: str):
+        dirs = out_dir if isinstance(out_dir, list) else [out_dir] * nodes
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
         self.port = held_port() if nodes > 1 else None
         args = ["--experiment", EXPERIMENT[mode], "--cpu"]
-        run = [f"out_dir={out_dir}", f"launch.gpus_per_node={ranks_per_node}", *extra]
+        run = [f"launch.gpus_per_node={ranks_per_node}", *extra]
         if nodes == 1:
-            self.nodes = [Node(f"one node, {tag}", [*args, "--", *run], out_dir / f"one-{tag}.terminal")]
+            self.nodes = [
+                Node(
+                    f"one node, {tag}",
+                    [*args, "--", f"out_dir={dirs[0]}", *run],
+                    dirs[0] / f"one-{tag}.terminal",
+                )
+            ]
         else:
             rdzv = ["--nodes", "2", "--rdzv", f"127.0.0.1:{self.port.getsockname()[1]}"]
             self.nodes = [
                 Node(
                     f"node {r}, {tag}",
-                    [*args, *rdzv, "--node-rank", str(r), "--", *run],
-                    out_dir / f"node{r}-{tag}.terminal",
+                    [*args, *rdzv, "--node-rank", str(r), "--", f"out_dir={dirs[r]}", *run],
+                    dirs[r] / f"node{r}-{tag}.terminal",
                 )
                 for r in range(nodes)
             ]
@@ -327,8 +336,21 @@ def test_ctrl_c_on_one_node_stops_both_with_130_and_a_checkpoint_and_both_resume
     assert step_of(ckpt) == stopped and (ckpt / "rank0.pt").exists() and (ckpt / "rank1.pt").exists()
 
     end = [*overrides(mode, 1), "optim.total_steps=100000", f"train.max_steps={stopped + 3}"]
-    final = launches(tmp_path / "two", mode, 2, 1, end, "resumed")
     one = launches(tmp_path / "one", mode, 1, 2, end, "reference")
+    # node 1 on a disk of its own sees no checkpoint (rank 0 alone writes meta.json): both refuse to mix
+    # a resumed model with a fresh one, in one line each, and leave the run as it was
+    apart = launches([tmp_path / "two", tmp_path / "node1-disk"], mode, 2, 1, end, "apart")
+    assert apart.wait(START) == [2, 2], apart.tails()
+    refusal = re.compile(
+        rf"error: the ranks start at different steps \(ranks \[[01]\] at step 0; ranks \[[01]\] at step {stopped}\):"
+        r" every node must see the same run folder \(out_dir on a shared filesystem\) to resume$"
+    )
+    for node in apart.nodes:
+        errors = [line for line in node.output().splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and refusal.match(errors[0]), apart.tails()
+    assert checkpoint.latest(run_dir) == ckpt
+
+    final = launches(tmp_path / "two", mode, 2, 1, end, "resumed")
     assert final.wait(START) == [0, 0], final.tails()
     assert f"resumed from {ckpt} at step {stopped}" in "".join(n.output() for n in final.nodes), final.tails()
     assert one.wait(START) == [0], one.tails()

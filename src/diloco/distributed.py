@@ -212,6 +212,25 @@ def check_same_model(ctx: DistContext, model: torch.nn.Module) -> None:
             raise DistributedError(f"{what} differ across ranks ({groups})")
 
 
+def check_same_start(ctx: DistContext, step: int) -> None:
+    """Refuse to train when ranks resumed from different steps: nodes that keep the run folder on disks
+    of their own (rank 0 alone writes a checkpoint's meta.json) would otherwise mix a resumed model
+    with a fresh one in the same all-reduces and report the result."""
+    if not ctx.initialized:
+        return
+    steps: list = [None] * ctx.world_size
+    dist.all_gather_object(steps, step)
+    if len(set(steps)) > 1:
+        by_step: dict[int, list[int]] = {}
+        for r, s in enumerate(steps):
+            by_step.setdefault(s, []).append(r)
+        starts = "; ".join(f"ranks {ranks} at step {s}" for s, ranks in sorted(by_step.items()))
+        raise DistributedError(
+            f"the ranks start at different steps ({starts}): every node must see the same run folder "
+            "(out_dir on a shared filesystem) to resume"
+        )
+
+
 class DataParallel:
     """DDP over `group` (all ranks for distributed=ddp; one worker's ranks inside DiLoCo).
 
@@ -376,5 +395,5 @@ def shutdown_distributed(ctx: DistContext, clean: bool = True) -> None:
     exception"). After a failure the peers may be gone, so do not wait for them."""
     if ctx.initialized:
         if clean:
-            dist.barrier()
+            ctx.barrier()
         dist.destroy_process_group()

@@ -42,6 +42,7 @@ from diloco.distributed import (
     DistributedError,
     StopAgreement,
     StopFlag,
+    check_same_start,
     init_distributed,
     shutdown_distributed,
 )
@@ -162,6 +163,7 @@ def run(cfg: DictConfig) -> int:
         step = int(state["step"])
         clock.resume(float(state["wall_seconds"]), float(state.get("inner_seconds", 0.0)))
         log.info("resumed from %s at step %d", ckpt_dir, step)
+    check_same_start(ctx, step)  # every node found the same checkpoint (or none)
     try:
         strategy.start()  # after the restore: connect, start background threads
     except BaseException:
