@@ -49,8 +49,12 @@ class Installer:
         delta_keys: list[str],
         buffers: Buffers,
     ):
-        self.model, self.node_id, self.translating = model, node_id, translating
-        self.layout, self.delta_keys, self.buffers = layout, delta_keys, buffers
+        self.model = model
+        self.node_id = node_id
+        self.translating = translating
+        self.layout = layout
+        self.delta_keys = delta_keys
+        self.buffers = buffers
         self.outer_step = -1  # the installed global's
         self.num_peers = 0  # the nodes whose deltas the installed global holds
         self._staged: GlobalSnapshot | None = None  # the newest global polled, not installed yet

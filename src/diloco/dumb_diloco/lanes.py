@@ -94,7 +94,10 @@ class DeltaJob:
         for k, t in (self.carry or {}).items():
             delta[k].add_(t)
         free = self.base if isinstance(self.base, OwnCopy) else None
-        self.delta, self.base, self.snapshot, self.carry = delta, None, None, None
+        self.delta = delta
+        self.base = None
+        self.snapshot = None
+        self.carry = None
         return delta, free
 
 

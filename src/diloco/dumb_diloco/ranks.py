@@ -29,8 +29,13 @@ class NodeRanks:
     name = "dumb_diloco"
 
     def __init__(self, ctx: DistContext, model, optimizer, ddp: DataParallel, leader, settings, num_workers):
-        self.ctx, self.model, self.optimizer, self.ddp = ctx, model, optimizer, ddp
-        self.leader, self.s, self.num_workers = leader, settings, num_workers  # leader: None on ranks > 0
+        self.ctx = ctx
+        self.model = model
+        self.optimizer = optimizer
+        self.ddp = ddp
+        self.leader = leader  # leader: None on ranks > 0
+        self.s = settings
+        self.num_workers = num_workers
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.ddp.wrap(model)

@@ -74,7 +74,9 @@ def parse_step_info(raw: bytes) -> dict:
 
 class GlobalReader:
     def __init__(self, layout: Layout, max_file_bytes: int, on_bytes: Callable[[int], None]):
-        self.layout, self.max_file_bytes, self.on_bytes = layout, max_file_bytes, on_bytes
+        self.layout = layout
+        self.max_file_bytes = max_file_bytes
+        self.on_bytes = on_bytes
         self.seen_revision: str | None = None
         self.rejected: set[tuple[int, str]] = set()  # (outer_step, global_sha256) that failed validation
         self.step_info: dict = {}  # step_count.json of the newest global fetched
@@ -145,7 +147,10 @@ class Joiner:
         clock: Callable[[], float],
         sleep: Callable[[float], None],
     ):
-        self.s, self.reader, self.init_sha256, self.transport = settings, reader, init_sha256, transport
+        self.s = settings
+        self.reader = reader
+        self.init_sha256 = init_sha256
+        self.transport = transport
         self.clock, self.sleep = clock, sleep
 
     def fetch(self, newer_than: int) -> GlobalSnapshot | None:
@@ -162,7 +167,10 @@ class Joiner:
         s = self.s
         if self.transport is not None and (s.is_master or holding_a_global):
             return None
-        deadline, announced, rejected, waiting_for = self.clock() + s.startup_timeout, False, "", ""
+        deadline = self.clock() + s.startup_timeout
+        announced = False
+        rejected = ""
+        waiting_for = ""
         while True:
             if waiting_for and _start_deadline_passed():  # no attempt after start()'s deadline
                 raise self._no_global(waiting_for)

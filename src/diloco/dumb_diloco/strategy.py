@@ -85,7 +85,10 @@ class DumbDiLoCo:
     ):
         if settings.role == "single":
             raise ValueError("role=single has no node (it trains like distributed=none)")
-        self.model, self.s, self.optimizer, self.num_workers = model, settings, optimizer, num_workers
+        self.model = model
+        self.s = settings
+        self.optimizer = optimizer
+        self.num_workers = num_workers
         self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
         self.hf_config = hf_config if settings.publish_hf_config else None
         self.clock, self.sleep = clock, sleep

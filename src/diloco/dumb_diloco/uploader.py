@@ -58,8 +58,12 @@ class Uploader:
         samples_per_step: int,
         clock: Callable[[], float],
     ):
-        self.model, self.s, self.delta_keys = model, settings, delta_keys
-        self.buffers, self.codec, self.clock = buffers, codec, clock
+        self.model = model
+        self.s = settings
+        self.delta_keys = delta_keys
+        self.buffers = buffers
+        self.codec = codec
+        self.clock = clock
         self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
         self.translating = settings.install == "translate"
         self.transport: Transport | None = None  # set by `connect`, once the node opened its store
