@@ -8,7 +8,8 @@ but then it raises SignalException and exits 1 under a traceback. Here that stop
 with the ranks' own line as the last word. Ranks that all stop on a user error (exit 2, the one line
 already printed by rank 0) end in exit 2, without torchrun's ChildFailedError report. A rendezvous
 store that went away (node 0, which hosts it, died) is one line and exit 2, not the agent's tracebacks
-and C++ stack frames. The ranks die with this launcher (diloco.distributed.die_with_launcher). Any other failure is torchrun's own report, unchanged.
+and C++ stack frames; if node 0 only ended first (the ranks stopped or refused alike), this node ends
+as its ranks did. The ranks die with this launcher (diloco.distributed.die_with_launcher). Any other failure is torchrun's own report, unchanged.
 """
 
 from __future__ import annotations
@@ -27,8 +28,34 @@ from torch.distributed import run as torchrun  # noqa: E402
 from torch.distributed.elastic.multiprocessing import api  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError  # noqa: E402
+from torch.distributed.launcher import api as launcher  # noqa: E402
 
 STOPPED, USER_ERROR = 130, 2  # the exit codes of diloco.train
+
+
+class _Agent(launcher.LocalElasticAgent):
+    """torchrun's agent, kept where main() reads its ranks' exit codes when the rendezvous store is gone
+    (node 0's launch ended first, or died): a torchrun of its own has no result to report then."""
+
+    started: list[_Agent] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _Agent.started.append(self)
+
+    @classmethod
+    def exit_codes(cls) -> set[int | None]:
+        pcontext = cls.started[-1]._pcontext if cls.started else None
+        return {h.proc.returncode for h in getattr(pcontext, "subprocess_handlers", {}).values()}
+
+
+def _ours(codes: set) -> int | None:
+    """130 or 2 when the ranks ended so (each said why). torchrun ends the other ranks (SIGTERM, then
+    SIGKILL) as soon as one exits: whichever got there first may be the only one that said why."""
+    for ours in (STOPPED, USER_ERROR):
+        if ours in codes and codes <= {ours, -signal.SIGTERM, -signal.SIGKILL}:
+            return ours
+    return None
 
 
 def _quiet_on_stop(handler):
@@ -70,24 +97,23 @@ def main(argv: list[str] | None = None) -> int:
     if _RANKS_CPP_LOG_LEVEL is not None:
         os.environ["TORCH_CPP_LOG_LEVEL"] = _RANKS_CPP_LOG_LEVEL
     os.environ["DILOCO_LAUNCHER_PID"] = str(os.getpid())
+    launcher.LocalElasticAgent = _Agent  # what torchrun's launch_agent builds
     args = torchrun.parse_args(argv)
     try:
         torchrun.run(args)
     except api.SignalException:
         return STOPPED
-    except RendezvousConnectionError:  # its ranks are stopped by now (the agent's shutdown)
+    except RendezvousConnectionError:  # the agent has stopped its ranks by now
+        if (code := _ours(_Agent.exit_codes())) is not None:
+            return code  # node 0 ended with the run (a user error, a stop): the ranks said why
         where = args.rdzv_endpoint or "node 0"
         print(
             f"error: the rendezvous store at {where} is gone (node 0 died or is unreachable)", file=sys.stderr
         )
         return USER_ERROR
     except ChildFailedError as e:
-        codes = {f.exitcode for f in e.failures.values()}
-        # torchrun ends the other ranks (SIGTERM, then SIGKILL) as soon as one exits: whichever got there
-        # first may be the only one that said why, the rest show the signal
-        for ours in (STOPPED, USER_ERROR):
-            if ours in codes and codes <= {ours, -signal.SIGTERM, -signal.SIGKILL}:
-                return ours
+        if (code := _ours({f.exitcode for f in e.failures.values()})) is not None:
+            return code
         raise
     return 0
 

@@ -91,6 +91,8 @@ class Node:
         env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
         for k in ("NODE_RANK", "SLURM_NODEID", "RDZV_ENDPOINT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
             env.pop(k, None)
+        for k in ("LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DILOCO_LAUNCHER_PID"):
+            env.pop(k, None)
         self.label, self.terminal = label, terminal
         with open(terminal, "w") as out:
             self.proc = subprocess.Popen(
