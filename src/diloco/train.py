@@ -4,8 +4,8 @@
     torchrun --nproc_per_node G -m diloco.train distributed=ddp   # the same, several ranks
 
 `run()` reads top to bottom: set-up, data, model, optimizers and strategy, resume, loop, the end. The
-loop is an ordinary training loop (gradient accumulation, clip, AdamW, schedule, eval, checkpoint);
-the distributed strategy attaches at the named lifecycle points of `diloco.strategy.Strategy`
+loop and the end are `Trainer.train()`'s, an ordinary training loop (gradient accumulation, clip, AdamW,
+schedule, eval, checkpoint) whose per-step body is `Trainer.inner_step()`; the distributed strategy attaches at the named lifecycle points of `diloco.strategy.Strategy`
 (start, grad_sync, after_inner_step, eval_weights, finish, state, summary, close).
 docs/architecture.md draws the data flow.
 """
@@ -16,13 +16,15 @@ import logging
 import math
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
+from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
 from diloco import checkpoint
@@ -49,6 +51,7 @@ from diloco.distributed import (
 from diloco.metrics import RunLogger, git_commit, nothing_left_on
 from diloco.model import build_model, count_parameters, shape_fingerprint
 from diloco.schedule import build_schedule
+from diloco.strategy import Strategy
 from diloco.timing import Clock, InjectedPace
 
 log = logging.getLogger("diloco")
@@ -154,139 +157,274 @@ def run(cfg: DictConfig) -> int:
 
     # ----------------------------------------------------------------------------- resume, start
     clock = Clock()
-    step = 0
-    if (ckpt_dir := checkpoint_to_resume(cfg, run_dir)) is not None:
-        state = checkpoint.load(ckpt_dir, ctx.rank, fingerprint)
-        for key, obj in stateful.items():
-            obj.load_state_dict(state[key])
-        checkpoint.set_rng_state(state["rng"])
-        step = int(state["step"])
-        clock.resume(float(state["wall_seconds"]), float(state.get("inner_seconds", 0.0)))
-        log.info("resumed from %s at step %d", ckpt_dir, step)
+    ckpt_dir = checkpoint_to_resume(cfg, run_dir)
+    step = resume(ckpt_dir, stateful, clock, ctx.rank, fingerprint)
     check_same_start(ctx, step)  # every node found the same checkpoint (or none)
-    try:
-        strategy.start()  # after the restore: connect, start background threads
-    except BaseException:
-        strategy.close()  # whatever start() began (a lane, a master thread) ends with it
-        raise
+    start_strategy(strategy)
     logger = RunLogger(
         run_dir, resolved, cfg.wandb, enabled=ctx.is_main, resume_step=step if ckpt_dir else None
     )
-    commit = git_commit()
 
-    def save_checkpoint():
-        state = {k: obj.state_dict() for k, obj in stateful.items()} | {"rng": checkpoint.rng_state()}
-        state |= {"step": step, "wall_seconds": clock.wall(), "inner_seconds": clock.inner_seconds}
-        meta = {"model": cfg.model.name, "fingerprint": fingerprint, "run_name": cfg.run_name}
-        meta |= {"world_size": ctx.world_size, "commit": commit}
-        checkpoint.save(run_dir, step, ctx.rank, state, meta, ctx.barrier, keep=cfg.train.keep_checkpoints)
+    # ----------------------------------------------------------------------------- loop, the end
+    trainer = Trainer(
+        cfg=cfg,
+        ctx=ctx,
+        run_dir=run_dir,
+        model=model,
+        train_model=train_model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        strategy=strategy,
+        train_stream=train_stream,
+        eval_sets=eval_sets,
+        autocast=autocast,
+        accum=accum,
+        logger=logger,
+        clock=clock,
+        step=step,
+        stateful=stateful,
+        records=RunRecords(fingerprint=fingerprint, counts=counts, commit=git_commit(), resolved=resolved),
+    )
+    exit_code = trainer.train()
+    shutdown_distributed(ctx, clean=exit_code == 0)
+    return exit_code
 
-    def evaluate_now() -> float:
-        return run_eval(model, strategy, eval_sets, device, autocast, logger, step, ctx)
 
-    # ----------------------------------------------------------------------------- loop
-    micro, max_steps = cfg.train.micro_batch_size, cfg.train.max_steps
-    pace = InjectedPace(cfg.train, slow=data_shard(cfg, ctx)[0] in cfg.train.slow_shards)
-    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len  # per DiLoCo worker; global for DDP
-    stop, agree_to_stop = StopFlag(), StopAgreement(ctx)  # ranks see a Ctrl+C at different steps
-    stopping = False
-    stop.install()
-    show = ctx.is_main and cfg.train.progress
-    bar = tqdm(total=max_steps, initial=step, disable=not show, dynamic_ncols=True, desc=cfg.run_name)
-    eval_loss, last_eval_step = math.nan, -1
-    window_start, window_tokens = time.perf_counter(), 0
-    status, exit_code = "completed", 0
+def resume(ckpt_dir: Path | None, stateful: dict, clock: Clock, rank: int, fingerprint: str) -> int:
+    """The step to start from: 0, or the checkpoint's, with every stateful object, the RNGs and the
+    clock restored from it."""
+    if ckpt_dir is None:
+        return 0
+    state = checkpoint.load(ckpt_dir, rank, fingerprint)
+    for key, obj in stateful.items():
+        obj.load_state_dict(state[key])
+    checkpoint.set_rng_state(state["rng"])
+    step = int(state["step"])
+    clock.resume(float(state["wall_seconds"]), float(state.get("inner_seconds", 0.0)))
+    log.info("resumed from %s at step %d", ckpt_dir, step)
+    return step
+
+
+def start_strategy(strategy) -> None:
+    """After the restore: connect, start background threads."""
     try:
-        while strategy.progress(step) < max_steps and not (stopping := agree_to_stop(stop.requested)):
+        strategy.start()
+    except BaseException:
+        strategy.close()  # whatever start() began (a lane, a master thread) ends with it
+        raise
+
+
+@dataclass(frozen=True)
+class RunRecords:
+    """What the checkpoints' meta.json and summary.json record about the run, fixed at its start."""
+
+    fingerprint: str
+    counts: dict
+    commit: str | None
+    resolved: dict
+
+
+@dataclass
+class Trainer:
+    """One rank's training loop from its (resumed) step to the end: the parts it drives and the loop's
+    state (the step, the clock, the last evaluation). `train()` writes the records whatever happens."""
+
+    cfg: DictConfig
+    ctx: DistContext
+    run_dir: Path
+    model: torch.nn.Module
+    train_model: torch.nn.Module  # the strategy's wrap of `model`, maybe compiled
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    strategy: Strategy
+    train_stream: PrefetchedStream
+    eval_sets: dict
+    autocast: AbstractContextManager
+    accum: int  # micro-batches per optimizer step
+    logger: RunLogger
+    clock: Clock
+    step: int
+    stateful: dict  # what a checkpoint holds, by key
+    records: RunRecords
+    eval_loss: float = math.nan
+    last_eval_step: int = -1
+
+    def train(self) -> int:
+        """The loop and the end; the exit code (0, or 130 when stopped or aborted)."""
+        cfg, ctx = self.cfg, self.ctx
+        pace = InjectedPace(cfg.train, slow=data_shard(cfg, ctx)[0] in cfg.train.slow_shards)
+        stop, agree_to_stop = StopFlag(), StopAgreement(ctx)  # ranks see a Ctrl+C at different steps
+        stop.install()
+        show = ctx.is_main and cfg.train.progress
+        bar = tqdm(
+            total=cfg.train.max_steps,
+            initial=self.step,
+            disable=not show,
+            dynamic_ncols=True,
+            desc=cfg.run_name,
+        )
+        status, exit_code = "completed", 0
+        try:
+            stopping = self.loop(pace, stop, agree_to_stop, bar)
+            if stopping or agree_to_stop.finish():  # the ranks' last posted requests, waited for
+                status, exit_code = "interrupted", 130
+                self.checkpoint_on_stop()
+            else:
+                self.finish_run()
+        except KeyboardInterrupt:
+            status, exit_code = "aborted", 130
+            log.warning("aborted at step %d; the last complete checkpoint is intact", self.step)
+        except BaseException:
+            status = "failed"  # recorded in summary.json, then the error propagates
+            raise
+        finally:
+            self.train_stream.close()
+            stop.restore()
+            bar.close()
+            wall = self.write_summary(status, exit_code, pace)
+            self.strategy.close()
+        if ctx.is_main and status == "completed":
+            loss = self.eval_loss
+            log.info(
+                "final eval loss %.4f, perplexity %.2f (step %d, %.0f s)", loss, _ppl(loss), self.step, wall
+            )
+            print(f"final eval perplexity: {_ppl(loss):.2f}")
+        return exit_code
+
+    def loop(self, pace: InjectedPace, stop: StopFlag, agree_to_stop: StopAgreement, bar: tqdm) -> bool:
+        """Inner steps until the run's step reaches max_steps, or until the ranks agree to stop (True)."""
+        train, strategy = self.cfg.train, self.strategy
+        tokens_per_step = train.batch_size * self.cfg.data.seq_len  # per DiLoCo worker; global for DDP
+        window_start, window_tokens = time.perf_counter(), 0
+        stopping = False
+        while strategy.progress(self.step) < train.max_steps and not (
+            stopping := agree_to_stop(stop.requested)
+        ):
             t0 = time.perf_counter()
-            step_loss = torch.zeros((), device=device)
-            for i in range(accum):
-                batch = train_stream.next_batch(micro)
-                with strategy.grad_sync(last_micro_step=i == accum - 1), autocast:
-                    loss = train_model(
-                        input_ids=batch.input_ids.to(device), labels=batch.labels.to(device)
-                    ).loss
-                    (loss / accum).backward()
-                step_loss += loss.detach()
-            if cfg.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
+            step_loss = self.inner_step()
             if pace.active:  # injected heterogeneity (experiments only)
                 time.sleep(pace.rest(time.perf_counter() - t0))
             step_seconds = time.perf_counter() - t0
-            clock.inner_seconds += step_seconds
+            self.clock.inner_seconds += step_seconds
             window_tokens += tokens_per_step
-            outer = strategy.after_inner_step(step)  # DiLoCo: communicate and step the outer optimizer
+            outer = strategy.after_inner_step(self.step)  # DiLoCo: communicate and step the outer optimizer
 
-            if step % cfg.train.log_every == 0 or step == max_steps or outer:
+            if self.step % train.log_every == 0 or self.step == train.max_steps or outer:
                 now = time.perf_counter()
-                loss_value = step_loss.item() / accum
-                metrics = {
-                    "Loss": loss_value,
-                    "Perplexity": _ppl(loss_value),
-                    "lr": scheduler.get_last_lr()[0],
-                    "effective_step": step * strategy.num_workers,
-                    "total_samples": step * cfg.train.batch_size * strategy.num_workers,
-                    "tokens_per_second": window_tokens / max(now - window_start, 1e-9),
-                    "time_taken": step_seconds,
-                    **outer,
-                }
+                tokens_per_second = window_tokens / max(now - window_start, 1e-9)
+                self.log_step(step_loss, step_seconds, tokens_per_second, outer, bar)
                 window_start, window_tokens = now, 0
-                logger.log(metrics, step)
-                bar.set_postfix(loss=f"{loss_value:.3f}", ppl=f"{_ppl(loss_value):.1f}", refresh=False)
             bar.update(1)
+            self.eval_and_checkpoint()
+        return stopping
 
-            if (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == max_steps:
-                eval_loss, last_eval_step = evaluate_now(), step
-            periodic = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
-            if periodic and strategy.progress(step) < max_steps:  # the last one: after the final evaluation
-                save_checkpoint()
+    def inner_step(self) -> torch.Tensor:
+        """One optimizer step over `accum` micro-batches (gradient accumulation, clip, AdamW, schedule);
+        the micro-batches' summed loss."""
+        device, micro = self.ctx.device, self.cfg.train.micro_batch_size
+        step_loss = torch.zeros((), device=device)
+        for i in range(self.accum):
+            batch = self.train_stream.next_batch(micro)
+            with self.strategy.grad_sync(last_micro_step=i == self.accum - 1), self.autocast:
+                loss = self.train_model(
+                    input_ids=batch.input_ids.to(device), labels=batch.labels.to(device)
+                ).loss
+                (loss / self.accum).backward()
+            step_loss += loss.detach()
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return step_loss
 
-        # ------------------------------------------------------------------------- the end
-        stopping = stopping or agree_to_stop.finish()  # the ranks' last posted requests, waited for
-        if stopping:
-            status, exit_code = "interrupted", 130
-            try:
-                save_checkpoint()
-                log.warning("stopped at step %d; resume with the same command", step)
-            except Exception as e:  # e.g. a peer already gone: the last periodic checkpoint stands
-                reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-                log.warning(
-                    "stopped at step %d without a new checkpoint (%s); the last one is intact", step, reason
-                )
-        else:
-            # finish(): e.g. the DumbDiLoCo master takes the workers' last deltas and installs the final global
-            if strategy.finish() or last_eval_step != step:
-                eval_loss = evaluate_now()
-            ends_on_period = cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0
-            if strategy.progress(step) >= max_steps and (cfg.train.checkpoint_at_end or ends_on_period):
-                save_checkpoint()  # the model that was evaluated, and the strategy's final state
-    except KeyboardInterrupt:
-        status, exit_code = "aborted", 130
-        log.warning("aborted at step %d; the last complete checkpoint is intact", step)
-    except BaseException:
-        status = "failed"  # recorded in summary.json, then the error propagates
-        raise
-    finally:
-        train_stream.close()
-        stop.restore()
-        bar.close()
-        wall = clock.wall()
-        ran = dict(status=status, step=step, eval_loss=eval_loss, wall=wall, inner=clock.inner_seconds)
-        ran["pace"] = pace.summary()
-        logger.write_summary(run_summary(cfg, ctx, strategy, ran, counts, commit, resolved))
-        logger.close(exit_code)
-        strategy.close()
-    if ctx.is_main and status == "completed":
-        log.info(
-            "final eval loss %.4f, perplexity %.2f (step %d, %.0f s)", eval_loss, _ppl(eval_loss), step, wall
+    def log_step(
+        self, step_loss: torch.Tensor, step_seconds: float, tokens_per_second: float, outer: dict, bar: tqdm
+    ) -> None:
+        loss_value = step_loss.item() / self.accum
+        step, num_workers = self.step, self.strategy.num_workers
+        metrics = {
+            "Loss": loss_value,
+            "Perplexity": _ppl(loss_value),
+            "lr": self.scheduler.get_last_lr()[0],
+            "effective_step": step * num_workers,
+            "total_samples": step * self.cfg.train.batch_size * num_workers,
+            "tokens_per_second": tokens_per_second,
+            "time_taken": step_seconds,
+            **outer,
+        }
+        self.logger.log(metrics, step)
+        bar.set_postfix(loss=f"{loss_value:.3f}", ppl=f"{_ppl(loss_value):.1f}", refresh=False)
+
+    def eval_and_checkpoint(self) -> None:
+        """After a step: evaluate every eval_every steps and at max_steps; checkpoint every checkpoint_every."""
+        train, step = self.cfg.train, self.step
+        if (train.eval_every and step % train.eval_every == 0) or step == train.max_steps:
+            self.eval_loss, self.last_eval_step = self.evaluate_now(), step
+        periodic = train.checkpoint_every and step % train.checkpoint_every == 0
+        if (
+            periodic and self.strategy.progress(step) < train.max_steps
+        ):  # the last one: after the final evaluation
+            self.save_checkpoint()
+
+    def finish_run(self) -> None:
+        """The end of a run that was not stopped: the final evaluation and the last checkpoint."""
+        # finish(): e.g. the DumbDiLoCo master takes the workers' last deltas and installs the final global
+        if self.strategy.finish() or self.last_eval_step != self.step:
+            self.eval_loss = self.evaluate_now()
+        train = self.cfg.train
+        ends_on_period = train.checkpoint_every and self.step % train.checkpoint_every == 0
+        if self.strategy.progress(self.step) >= train.max_steps and (
+            train.checkpoint_at_end or ends_on_period
+        ):
+            self.save_checkpoint()  # the model that was evaluated, and the strategy's final state
+
+    def checkpoint_on_stop(self) -> None:
+        try:
+            self.save_checkpoint()
+            log.warning("stopped at step %d; resume with the same command", self.step)
+        except Exception as e:  # e.g. a peer already gone: the last periodic checkpoint stands
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            log.warning(
+                "stopped at step %d without a new checkpoint (%s); the last one is intact", self.step, reason
+            )
+
+    def evaluate_now(self) -> float:
+        return run_eval(
+            self.model,
+            self.strategy,
+            self.eval_sets,
+            self.ctx.device,
+            self.autocast,
+            self.logger,
+            self.step,
+            self.ctx,
         )
-        print(f"final eval perplexity: {_ppl(eval_loss):.2f}")
-    shutdown_distributed(ctx, clean=exit_code == 0)
-    return exit_code
+
+    def save_checkpoint(self) -> None:
+        cfg, ctx, clock = self.cfg, self.ctx, self.clock
+        state = {k: obj.state_dict() for k, obj in self.stateful.items()} | {"rng": checkpoint.rng_state()}
+        state |= {"step": self.step, "wall_seconds": clock.wall(), "inner_seconds": clock.inner_seconds}
+        meta = {"model": cfg.model.name, "fingerprint": self.records.fingerprint, "run_name": cfg.run_name}
+        meta |= {"world_size": ctx.world_size, "commit": self.records.commit}
+        checkpoint.save(
+            self.run_dir, self.step, ctx.rank, state, meta, ctx.barrier, keep=cfg.train.keep_checkpoints
+        )
+
+    def write_summary(self, status: str, exit_code: int, pace: InjectedPace) -> float:
+        """summary.json and the logger's end; the run's wall seconds."""
+        wall, records = self.clock.wall(), self.records
+        ran = dict(
+            status=status, step=self.step, eval_loss=self.eval_loss, wall=wall, inner=self.clock.inner_seconds
+        )
+        ran["pace"] = pace.summary()
+        summary = run_summary(
+            self.cfg, self.ctx, self.strategy, ran, records.counts, records.commit, records.resolved
+        )
+        self.logger.write_summary(summary)
+        self.logger.close(exit_code)
+        return wall
 
 
 # ----------------------------------------------------------------------------- run()'s helpers
