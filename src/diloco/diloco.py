@@ -40,6 +40,7 @@ import torch
 from diloco import comm, quant
 from diloco.checkpoint import CheckpointError
 from diloco.config import check_distributed
+from diloco.distributed import DataParallel
 from diloco.outer import OuterOptimizer
 
 
@@ -117,8 +118,6 @@ class DiLoCo:
 
     @classmethod
     def from_config(cls, dcfg, ctx, model, optimizer) -> DiLoCo:
-        from diloco.distributed import DataParallel
-
         check_distributed(dcfg)
         # DDP inside the worker; also checks that every rank holds the same shapes and initial weights
         inner = DataParallel(dcfg, ctx, model, group=ctx.worker_group)
@@ -167,7 +166,7 @@ class DiLoCo:
         overlap_steps: int = 0,
         fragment_alpha: float = 0.0,
         intra: comm.Collective | None = None,
-        inner_strategy=None,
+        inner_strategy: DataParallel | None = None,  # DDP among the worker's ranks
     ):
         self.inner_optimizer, self.inner_steps = inner_optimizer, inner_steps
         self.reset_inner_optimizer = reset_inner_optimizer
@@ -448,7 +447,7 @@ class DiLoCo:
             self._transfer.shutdown(wait=True, cancel_futures=True)
 
     def _ddp_bytes(self) -> int:
-        return getattr(self.inner_strategy, "total_bytes", 0)
+        return self.inner_strategy.total_bytes if self.inner_strategy is not None else 0
 
     def _intra_bytes(self) -> int:  # this rank, inside its worker: DDP gradients + mean broadcasts
         return self.intra.sent.get("intra_worker", 0) + self._ddp_bytes()

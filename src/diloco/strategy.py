@@ -19,17 +19,19 @@
 under `budget: global`, whose estimate of the whole run's step lets fast nodes train on and slow ones stop
 early, and sets the lr (diloco.schedule).
 Implementations: LocalTraining and DataParallel (distributed.py), DiLoCo (diloco.py), DumbDiLoCo
-(dumb_diloco/strategy.py). docs/architecture.md draws the whole data flow.
+(dumb_diloco/strategy.py), NodeRanks (dumb_diloco/ranks.py); tests/test_strategy_protocol.py checks that each
+has these members with these signatures. docs/architecture.md draws the whole data flow.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 
+@runtime_checkable
 class Strategy(Protocol):
     name: str
     num_workers: int

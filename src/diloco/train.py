@@ -59,8 +59,9 @@ log = logging.getLogger("diloco")
 USER_ERRORS = (ConfigError, DataError, CheckpointError, CommError, DistributedError)
 
 
-def build_strategy(cfg: DictConfig, ctx: DistContext, model, optimizer):
-    """The one place that knows the distributed modes."""
+def build_strategy(cfg: DictConfig, ctx: DistContext, model, optimizer) -> Strategy:
+    """The one place that knows the distributed modes; each result satisfies diloco.strategy.Strategy
+    (tests/test_strategy_protocol.py)."""
     mode = cfg.distributed.mode
     if mode == "none":
         from diloco.distributed import LocalTraining
@@ -205,7 +206,7 @@ def resume(ckpt_dir: Path | None, stateful: dict, clock: Clock, rank: int, finge
     return step
 
 
-def start_strategy(strategy) -> None:
+def start_strategy(strategy: Strategy) -> None:
     """After the restore: connect, start background threads."""
     try:
         strategy.start()
