@@ -36,6 +36,8 @@ class DistContext:
     ranks_per_worker: int = 1
     worker_group: object = None  # process group of this worker's G ranks (None: all ranks / single)
     cross_group: object = None  # process group of the ranks with this local index in every worker
+    # a DumbDiLoCo node: its ranks split the node's one shard (data.shard) instead of reading one each
+    shard_per_node: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -164,11 +166,14 @@ def init_distributed(cfg) -> DistContext:
     """
     dcfg = cfg.distributed
     check_distributed(dcfg)
+    per_node = dcfg.mode == "dumb_diloco"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if launched_by_torchrun():
         die_with_launcher()
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
-        return DistContext(local_rank=local_rank, device=pick_device(cfg.device, local_rank))
+        return DistContext(
+            local_rank=local_rank, device=pick_device(cfg.device, local_rank), shard_per_node=per_node
+        )
     if dcfg.mode == "none":
         raise ConfigError(
             f"launched with {os.environ['WORLD_SIZE']} ranks but distributed=none; choose distributed=ddp or diloco"
@@ -180,7 +185,7 @@ def init_distributed(cfg) -> DistContext:
     timeout = timedelta(seconds=float(dcfg.timeout_seconds)) if dcfg.get("timeout_seconds") else None
     nccl = device.type == "cuda" and shared == 1  # NCCL refuses two ranks on one GPU; gloo takes CUDA tensors
     dist.init_process_group("nccl" if nccl else "gloo", timeout=timeout)
-    ctx = DistContext(rank, world, local_rank, device, world // g, rank // g, g)
+    ctx = DistContext(rank, world, local_rank, device, world // g, rank // g, g, shard_per_node=per_node)
     if dcfg.mode in ("ddp", "dumb_diloco"):  # one worker of all ranks (the default group)
         return ctx
     for w in range(ctx.num_workers):

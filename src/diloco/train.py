@@ -485,8 +485,8 @@ def build_optimizer(cfg, model, device: torch.device) -> torch.optim.AdamW:
 
 def data_shard(cfg, ctx: DistContext) -> tuple[int, int]:
     """(shard, number of shards) of this rank's training data: data.shard, else its rank (a DumbDiLoCo
-    node: data.shard, else 0, shared by the node's ranks)."""
-    if cfg.distributed.mode == "dumb_diloco":
+    node, ctx.shard_per_node: data.shard, else 0, shared by the node's ranks)."""
+    if ctx.shard_per_node:
         return cfg.data.shard or 0, cfg.data.num_shards or 1
     shard = cfg.data.shard if cfg.data.shard is not None else ctx.rank
     return shard, cfg.data.num_shards if cfg.data.num_shards is not None else ctx.world_size
@@ -501,7 +501,7 @@ def build_data(cfg, ctx: DistContext) -> tuple[PrefetchedStream, dict]:
             f"tokenizer {cfg.data.tokenizer} has {len(tokenizer)} tokens but model.vocab_size={cfg.model.vocab_size}"
         )
     (shard, num_shards), part = data_shard(cfg, ctx), (0, 1)
-    if cfg.distributed.mode == "dumb_diloco":  # a node's shard (data.shard), split among the node's ranks
+    if ctx.shard_per_node:  # a node's shard (data.shard), split among the node's ranks
         part = (ctx.rank, ctx.world_size)
     stream = SequenceStream(cfg.data, tokenizer, cfg.data.train_split, shard, num_shards, part=part)
     train_stream = PrefetchedStream(stream, cfg.train.micro_batch_size)
