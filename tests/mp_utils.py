@@ -150,3 +150,22 @@ def _child(target: str, args_path: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     _child(*sys.argv[1:4])
+
+
+def wait_for_nodes(procs: list, out_dir, timeout: float) -> float:
+    """Wait for each (node_id, Popen, open log file) in order, within `timeout` seconds in all; each must
+    exit 0 (else the assertion shows its <out_dir>/<node_id>.out tail). Kills what is left; returns the
+    seconds taken."""
+    t0 = time.monotonic()
+    try:
+        for node_id, p, log in procs:
+            p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
+            log.close()
+            out = (out_dir / f"{node_id}.out").read_text()
+            assert p.returncode == 0, f"{node_id} exited {p.returncode}:\n{out[-4000:]}"
+    finally:
+        for _, p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return time.monotonic() - t0

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mp_utils import wait_for_nodes
 from trainer_utils import compose_cfg
 
 from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, parse_delta_path
@@ -110,19 +111,7 @@ def run_nodes(tmp_path: Path, repo_id: str, mode: str, env: dict[str, str], time
         procs.append(
             (node_id, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log)
         )
-    t0 = time.monotonic()
-    try:
-        for node_id, p, log in procs:  # the workers, then the master
-            p.wait(timeout=max(1.0, timeout - (time.monotonic() - t0)))
-            log.close()
-            out = (tmp_path / f"{node_id}.out").read_text()
-            assert p.returncode == 0, f"{node_id} exited {p.returncode}:\n{out[-4000:]}"
-    finally:
-        for _, p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return time.monotonic() - t0
+    return wait_for_nodes(procs, tmp_path, timeout)  # the workers, then the master
 
 
 _EVAL: dict = {}

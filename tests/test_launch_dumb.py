@@ -21,11 +21,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from mp_utils import wait_for_nodes
 from trainer_utils import compose_cfg
 
 from diloco.dumb_diloco.aggregation import average
@@ -109,19 +109,7 @@ def launch_nodes(tmp_path: Path, repo_id: str, env: dict[str, str]) -> float:
         ]
         out = open(tmp_path / f"{node_id}.out", "w")  # noqa: SIM115 - closed below
         procs.append((node_id, subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT), out))
-    t0 = time.monotonic()
-    try:
-        for node_id, p, out in procs:
-            p.wait(timeout=max(1.0, DEADLINE - (time.monotonic() - t0)))
-            out.close()
-            text = (tmp_path / f"{node_id}.out").read_text()
-            assert p.returncode == 0, f"{node_id} exited {p.returncode}:\n{text[-4000:]}"
-    finally:
-        for _, p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return time.monotonic() - t0
+    return wait_for_nodes(procs, tmp_path, DEADLINE)
 
 
 def replay(repo, cfg, ledger: dict) -> None:
