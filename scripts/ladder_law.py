@@ -1,0 +1,180 @@
+"""The model-size ladder in the scaling-law regime (issue 33): 4x-batch DDP against 4-worker DiLoCo at
+three sizes spanning 5x in parameters, each method's inner lr tuned per size, the gap in loss and in
+perplexity beside what the DiLoCo scaling-law fit predicts at each size.
+
+    python scripts/ladder_law.py --runs runs/tune-law                 # sweeps, then the finals (skips done runs)
+    python scripts/ladder_law.py --runs runs/tune-law --report-only   # results/ladder-law from the runs
+
+Every rung trains in `tune_law.REGIME` (1,560 steps = 52 outer rounds at H=30, warmup 100 + cosine, fresh
+packed data) with the per-worker batch scaled so each size reads about 10-12 tokens per parameter:
+
+| rung | parameters | sequences per worker step | tokens (M-worker runs) | tokens / parameter |
+|---|---|---|---|---|
+| ladder_0_13m | 133,320 | 2 | 1,597,440 | 12.0 |
+| 2m (the family's size) | 262,464 | 4 | 3,194,880 | 12.2 |
+| micro | 688,768 | 9 | 7,188,480 | 10.4 (0.94 epochs) |
+
+Per size and method, the sweep runs three inner learning rates at seed 1337 on the tuning half
+(`data.eval_subset=tune`); when the best is at an edge of the grid one more point past it is run. The
+best lr of each method then runs at every seed on the reported half (`report`). DiLoCo uses the study's
+outer optimizer (lr 0.6, Nesterov 0.9) at every size: the study swept it per worker count, not per size.
+At the family's size the sweep's runs are `tune_law`'s stage 1 (same names, same folder: not rerun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import bench_common as bc
+import tune_law
+import yaml
+from plan import compose_experiment, num_parameters
+from replicate import run_local
+
+from diloco.scaling_law import from_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = {"ladder_0_13m": 2, "2m": 4, "micro": 9}  # model -> sequences per worker per step
+METHODS = {"ddp": "tiny/ddp_mx", "diloco": "tiny/diloco_fp32"}
+LRS = (2e-3, 4e-3, 8e-3)
+WORKERS = 4
+
+
+def batch(method: str, per_worker: int) -> list[str]:
+    if method == "ddp":  # the M workers' batch on 2 ranks
+        return [f"train.batch_size={WORKERS * per_worker}", f"train.micro_batch_size={2 * per_worker}"]
+    return [f"train.batch_size={per_worker}", f"train.micro_batch_size={per_worker}"]
+
+
+def setting(method: str, lr: float) -> tuple[str, list[str]]:
+    if method == "diloco":
+        return tune_law.diloco(lr, *tune_law.STUDY_OUTER)
+    return f"lr{lr:g}", [f"optim.lr={lr}"]
+
+
+def run_name(size: str, method: str, lr: float, seed: int, subset: str) -> str:
+    name = tune_law.run_name(METHODS[method], setting(method, lr)[0], seed)
+    if size != "2m":
+        name = name.replace("law-", f"law-{size}-", 1)
+    return name if subset == "tune" else f"{name}-{subset}"
+
+
+def overrides(size: str, method: str, lr: float, seed: int, subset: str) -> list[str]:
+    regime = [o for o in tune_law.REGIME if not o.startswith(("model=", "data.eval_subset="))]
+    return [
+        *regime,
+        f"model={size}",
+        f"data.eval_subset={subset}",
+        *batch(method, SIZES[size]),
+        *setting(method, lr)[1],
+        f"run_name={run_name(size, method, lr, seed, subset)}",
+        f"seed={seed}",
+    ]
+
+
+def read(runs: Path, name: str) -> dict | None:
+    path = runs / name / "summary.json"
+    if not path.exists():
+        return None
+    s = bc.clean_summary(path, tune_law.STEPS)
+    keys = ("final_eval_loss", "final_eval_perplexity", "tokens_seen", "wall_seconds", "git_commit")
+    return {k: s[k] for k in keys}
+
+
+def ensure(runs: Path, size: str, method: str, lr: float, seed: int, subset: str, dry: bool) -> dict | None:
+    if not dry:
+        run_local(METHODS[method], runs, overrides(size, method, lr, seed, subset))
+    return read(runs, run_name(size, method, lr, seed, subset))
+
+
+def sweep(runs: Path, size: str, method: str, seed: int, dry: bool) -> dict:
+    """lr -> the tuning half's final loss; extended one point past an edge that wins."""
+    lrs = list(LRS)
+    losses = {}
+    while True:
+        for lr in lrs:
+            if lr not in losses:
+                got = ensure(runs, size, method, lr, seed, "tune", dry)
+                losses[lr] = None if got is None else got["final_eval_loss"]
+        done = {lr: x for lr, x in losses.items() if x is not None and math.isfinite(x)}
+        if len(done) < len(losses):
+            return {"losses": losses, "best": None}
+        best = min(done, key=done.get)
+        edge = best * 2 if best == max(lrs) else best / 2 if best == min(lrs) else None
+        if edge is None or len(lrs) > len(LRS):  # at most one extension
+            return {"losses": losses, "best": best}
+        lrs.append(edge)
+
+
+def rung(runs: Path, size: str, seeds: list[int], law, dry: bool) -> dict:
+    params = num_parameters(
+        compose_experiment(METHODS["ddp"], overrides(size, "ddp", LRS[0], 0, "tune")).model
+    )
+    out = {"size": size, "parameters": params, "sweeps": {}, "finals": {}}
+    for method in METHODS:
+        out["sweeps"][method] = sweep(runs, size, method, seeds[0], dry)
+        best = out["sweeps"][method]["best"]
+        out["finals"][method] = [
+            None if best is None else ensure(runs, size, method, best, s, "report", dry) for s in seeds
+        ]
+    pred = law.predict(params)
+    out["prediction"] = {"gap": pred.gap, "low": pred.low, "high": pred.high, "text": pred.describe()}
+    pairs = list(zip(out["finals"]["diloco"], out["finals"]["ddp"]))
+    if all(a and b for a, b in pairs):
+        loss = [a["final_eval_loss"] / b["final_eval_loss"] - 1 for a, b in pairs]
+        ppl = [a["final_eval_perplexity"] / b["final_eval_perplexity"] - 1 for a, b in pairs]
+        out["loss_gap"] = {"per_seed": loss, "mean": sum(loss) / len(loss), "spread": max(loss) - min(loss)}
+        out["ppl_gap"] = {"per_seed": ppl, "mean": sum(ppl) / len(ppl), "spread": max(ppl) - min(ppl)}
+    return out
+
+
+def table(rungs: list[dict]) -> str:
+    lines = [
+        "| rung | parameters | best lr (DDP 4x, DiLoCo) | loss gap per seed | loss gap mean ± spread "
+        "| the law's prediction [95%] | ppl gap mean ± spread |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rungs:
+        lrs = ", ".join(f"{r['sweeps'][m]['best']}" for m in METHODS)
+        p = r["prediction"]
+        law = f"{p['gap']:+.1%} [{p['low']:+.1%}, {p['high']:+.1%}]"
+        if "loss_gap" not in r:
+            lines.append(f"| {r['size']} | {r['parameters']:,} | {lrs} | (not run) | | {law} | |")
+            continue
+        g, q = r["loss_gap"], r["ppl_gap"]
+        per = ", ".join(f"{x:+.2%}" for x in g["per_seed"])
+        lines.append(
+            f"| {r['size']} | {r['parameters']:,} | {lrs} | {per} | {g['mean']:+.2%} ± {g['spread']:.2%} "
+            f"| {law} | {q['mean']:+.1%} ± {q['spread']:.1%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=Path, default=Path("runs/tune-law"))
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "ladder-law")
+    p.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
+    p.add_argument("--seeds", nargs="*", type=int, default=[1337, 1])
+    p.add_argument("--report-only", action="store_true")
+    args = p.parse_args(argv)
+    law = from_reference(yaml.safe_load((ROOT / "results" / "reference.yaml").read_text()), WORKERS)
+    rungs = [rung(args.runs, size, args.seeds, law, args.report_only) for size in args.sizes]
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {
+        **bc.provenance(f"python scripts/ladder_law.py --runs {args.runs}"),
+        "regime_overrides": tune_law.REGIME,
+        "seeds": args.seeds,
+        "rungs": rungs,
+    }
+    (args.out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+    (args.out / "table.md").write_text(table(rungs))
+    print(table(rungs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
