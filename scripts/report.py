@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import subprocess
@@ -72,6 +73,7 @@ def _bytes_at(run: Run, step: int) -> float:
 PLOTS = (  # every file a report may draw
     "eval_vs_step.png",
     "eval_vs_tokens.png",
+    "eval_loss_vs_tokens.png",
     "eval_vs_bytes.png",
     "fp16_cast_error.png",
     "compute_utilization.png",
@@ -109,6 +111,34 @@ def plot_eval(runs: list[Run], out: Path) -> list[str]:
         plt.close(fig)
         files.append(name)
     return files
+
+
+def plot_loss_bands(runs: list[Run], out: Path) -> str | None:
+    """Held-out loss against tokens, one line per experiment: the mean over its seeds, with a band from
+    the lowest to the highest seed at every evaluation (the curves C4 is read from)."""
+    groups: dict[str, list[dict[float, float]]] = {}
+    for run in runs:
+        pts = {s * _tokens_per_step(run): math.log(p) for s, p in run.evals() if s > 0}
+        if pts:
+            groups.setdefault(_label(run), []).append(pts)
+    if not groups:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, seeds in groups.items():
+        xs = sorted(set.intersection(*(set(p) for p in seeds)))  # evaluations every seed has
+        ys = [[p[x] for p in seeds] for x in xs]
+        mean = [sum(y) / len(y) for y in ys]
+        (line,) = ax.plot(xs, mean, marker=".", label=f"{label} ({len(seeds)} seeds)")
+        ax.fill_between(xs, [min(y) for y in ys], [max(y) for y in ys], color=line.get_color(), alpha=0.25)
+    ax.set_xlabel("tokens processed (all workers)")
+    ax.set_ylabel("held-out loss (mean, band: seed range)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    name = "eval_loss_vs_tokens.png"
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
 
 
 def plot_series(
@@ -291,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     window = yaml.safe_load(args.reference.read_text()).get("train_window", 0.02)
     verdicts = check(args.runs, [args.family], args.reference)
     plots = plot_eval(runs, out)
+    if band := plot_loss_bands([r for seed in by_seed for r in seed], out):
+        plots.append(band)
     for key, name, ylabel, logy in (
         ("comm/cast_rel_error", "fp16_cast_error.png", "FP16 cast rel. L2 error per round", True),
         ("outer/compute_utilization", "compute_utilization.png", "compute utilization per round", False),

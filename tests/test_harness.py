@@ -322,7 +322,7 @@ def test_report_writes_markdown_and_plots(tmp_path):
     assert proc.returncode == 0, proc.stderr
     md = (out / "report.md").read_text()
     assert "| C2 |" in md and "W&B is offline" in md
-    for png in ("eval_vs_step.png", "eval_vs_tokens.png", "eval_vs_bytes.png"):
+    for png in ("eval_vs_step.png", "eval_vs_tokens.png", "eval_loss_vs_tokens.png", "eval_vs_bytes.png"):
         assert (out / png).stat().st_size > 5000 and f"({png})" in md
 
 
