@@ -13,7 +13,8 @@ DDP baseline reads the same tokens as DiLoCo (16 sequences per step on 2 ranks);
 quarter of them (4 sequences per step, as one DiLoCo worker).
 
 Stage 1 sweeps the inner learning rate of each method separately (1x DDP, 4x DDP, DiLoCo with the study's
-outer lr 0.6 and Nesterov momentum 0.9). Stage 2 takes DiLoCo's best inner learning rate and tries the
+outer lr 0.6 and Nesterov momentum 0.9) over 2e-3, 4e-3 and 8e-3 at the first seed; where the best is at an
+edge, one more point past it joins the grid; then every point runs at every seed, ranked by mean loss. Stage 2 takes DiLoCo's best inner learning rate and tries the
 outer optimizers of the earlier tuning (0.5 / 0.8) and plain averaging (1.0 / 0). Every run is evaluated
 on `data.eval_subset=tune` (odd-numbered validation documents); the family reports `report`.
 """
@@ -22,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import bench_common as bc
 from ladder import unique_train_tokens
 from replicate import run_local
-from tune_tiny import table
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 1560  # 52 outer rounds at H=30
@@ -59,11 +60,26 @@ def diloco(lr: float, outer_lr: float, momentum: float) -> tuple[str, list[str]]
     return name, [f"optim.lr={lr}", *(f"distributed.{k}={v}" for k, v in keys.items())]
 
 
-INNER = {
-    "tiny/ddp_1x": [(f"lr{lr:g}", [f"optim.lr={lr}"]) for lr in LRS],
-    "tiny/ddp_mx": [(f"lr{lr:g}", [f"optim.lr={lr}"]) for lr in LRS],
-    "tiny/diloco_fp32": [diloco(lr, *STUDY_OUTER) for lr in LRS],
-}
+def inner_setting(experiment: str, lr: float) -> tuple[str, list[str]]:
+    if experiment == "tiny/diloco_fp32":
+        return diloco(lr, *STUDY_OUTER)
+    return f"lr{lr:g}", [f"optim.lr={lr}"]
+
+
+def inner_lrs(runs: Path, experiment: str, seed: int) -> list[float]:
+    """The grid of one method: LRS, plus one point past an edge that wins at `seed` (the first seed)."""
+    lrs = list(LRS)
+    got = {
+        lr: read(runs, experiment, run_name(experiment, inner_setting(experiment, lr)[0], seed)) for lr in lrs
+    }
+    if any(g is None for g in got.values()):
+        return lrs
+    best = min(lrs, key=lambda lr: got[lr]["final_eval_loss"])
+    if best == max(lrs):
+        lrs.append(best * 2)
+    elif best == min(lrs):
+        lrs.insert(0, best / 2)
+    return lrs
 
 
 def run_name(experiment: str, setting: str, seed: int) -> str:
@@ -87,30 +103,55 @@ def read(runs: Path, experiment: str, name: str) -> dict | None:
 
 
 def rows_of(runs: Path, grid: dict, seeds: list[int]) -> list[dict]:
+    """One row per setting: each seed's final loss and perplexity on the tuning half, the mean and the
+    spread (max - min) of the loss; None until every seed has run."""
     rows = []
     for experiment, settings in grid.items():
         for setting, _ in settings:
             got = [read(runs, experiment, run_name(experiment, setting, s)) for s in seeds]
-            ppl = [None if g is None else g["final_eval_perplexity"] for g in got]
-            done = len([x for x in ppl if x is not None]) == len(ppl)
+            done = all(g is not None for g in got)
+            loss = [g["final_eval_loss"] if g else None for g in got]
             rows.append(
                 {
                     "experiment": experiment,
                     "setting": setting,
-                    "per_seed": ppl,
-                    "mean": sum(ppl) / len(ppl) if done else None,
-                    "spread": max(ppl) - min(ppl) if done else None,
+                    "loss_per_seed": loss,
+                    "ppl_per_seed": [g["final_eval_perplexity"] if g else None for g in got],
+                    "mean_loss": sum(loss) / len(loss) if done else None,
+                    "spread_loss": max(loss) - min(loss) if done else None,
                     "runs": got,
                 }
             )
     return rows
 
 
+def table(rows: list[dict], seeds: list[int]) -> str:
+    """Each method's settings ranked by mean loss (incomplete ones last)."""
+    lines = []
+    for experiment in dict.fromkeys(r["experiment"] for r in rows):
+        mine = [r for r in rows if r["experiment"] == experiment]
+        mine.sort(key=lambda r: math.inf if r["mean_loss"] is None else r["mean_loss"])
+        cols = " | ".join(f"seed {s} loss (ppl)" for s in seeds)
+        lines += [f"\n### {experiment}\n", f"| rank | setting | {cols} | mean loss | spread |"]
+        lines.append("|---" * (len(seeds) + 4) + "|")
+        for i, r in enumerate(mine, 1):
+            per = " | ".join(
+                "-" if x is None else f"{x:.4f} ({p:.2f})"
+                for x, p in zip(r["loss_per_seed"], r["ppl_per_seed"])
+            )
+            mean = "-" if r["mean_loss"] is None else f"{r['mean_loss']:.4f}"
+            spread = "-" if r["spread_loss"] is None else f"{r['spread_loss']:.4f}"
+            rank = "-" if r["mean_loss"] is None else str(i)
+            lines.append(f"| {rank} | {r['setting']} | {per} | {mean} | {spread} |")
+    return "\n".join(lines) + "\n"
+
+
 def best_diloco_lr(rows: list[dict]) -> float | None:
-    mine = [r for r in rows if r["experiment"] == "tiny/diloco_fp32" and r["mean"] is not None]
-    if len(mine) < len(LRS):
+    """DiLoCo's inner lr with the lowest mean loss, once every point of its grid has every seed."""
+    mine = [r for r in rows if r["experiment"] == "tiny/diloco_fp32"]
+    if not mine or any(r["mean_loss"] is None for r in mine):
         return None
-    best = min(mine, key=lambda r: r["mean"])
+    best = min(mine, key=lambda r: r["mean_loss"])
     return float(best["setting"].split("-")[0].removeprefix("lr"))
 
 
@@ -129,9 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage", choices=["inner", "all"], default="all")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
-    if not args.report_only:
-        run_grid(args.runs, INNER, args.seeds)
-    rows = rows_of(args.runs, INNER, args.seeds)
+    if not args.report_only:  # the first seed's sweep, its extension, then the other seeds
+        run_grid(args.runs, {e: [inner_setting(e, lr) for lr in LRS] for e in BATCH}, args.seeds[:1])
+        grid = {e: [inner_setting(e, lr) for lr in inner_lrs(args.runs, e, args.seeds[0])] for e in BATCH}
+        run_grid(args.runs, grid, args.seeds)
+    grid = {e: [inner_setting(e, lr) for lr in inner_lrs(args.runs, e, args.seeds[0])] for e in BATCH}
+    rows = rows_of(args.runs, grid, args.seeds)
     lr = best_diloco_lr(rows)
     outer = {"tiny/diloco_fp32": [diloco(lr, *o) for o in OUTER]} if lr is not None else {}
     if outer and args.stage == "all" and not args.report_only:
