@@ -44,6 +44,14 @@ def test_every_config_composes_and_resolves(choice):
     validate(cfg)
 
 
+def test_validate_returns_the_typed_config():
+    from diloco import schema
+
+    c = validate(compose_cfg(["model=micro", "data=sample", "distributed=diloco", "train.max_steps=6"]))
+    assert isinstance(c, schema.Config) and isinstance(c.distributed, schema.DiLoCoConfig)
+    assert c.train.max_steps == 6 and c.model.name == "micro" and "${" not in c.run_name
+
+
 def test_optimizer_defaults_are_the_papers():
     cfg = compose_cfg([])
     assert cfg.optim.lr == 4e-4 and list(cfg.optim.betas) == [0.9, 0.95]

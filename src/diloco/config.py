@@ -426,8 +426,9 @@ def _check_dumb_diloco_switches(d: Any) -> None:
 # --------------------------------------------------------------------------- the whole config
 
 
-def validate(cfg: DictConfig) -> None:
-    """Raise ConfigError on the first problem of any key of any mode. Builds nothing."""
+def validate(cfg: DictConfig) -> schema.Config:
+    """Raise ConfigError on the first problem of any key of any mode. Builds nothing. Returns the typed
+    config (schema.Config, interpolations resolved; `distributed` is the mode's typed block)."""
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except Exception as e:  # missing mandatory value, bad interpolation
@@ -478,6 +479,8 @@ def validate(cfg: DictConfig) -> None:
         _check_evaluated_steps_are_boundaries(c.train, d.inner_steps)
     if d.mode == "dumb_diloco":
         _check_dumb_diloco_run(cfg)
+    c.distributed = d
+    return c
 
 
 def _check_dumb_diloco_run(cfg: DictConfig) -> None:
