@@ -153,6 +153,48 @@ def table(rungs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(rungs: list[dict], law, reference: dict, out: Path) -> None:
+    """The measured loss and perplexity gaps per size (mean, seed range) beside the study's Table 4 points
+    for M=4 and its fitted line with the 95% prediction band, extended down to these sizes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = reference["scaling_law"]
+    fig, ax = plt.subplots(figsize=(6.8, 4.4))
+    study_n = [float(n) for n in table["params"]]
+    study_gap = [float(g) for g in table["loss_gap_pct"][WORKERS]]
+    ax.scatter(study_n, study_gap, c="k", s=14, label=f"Charles et al. 2025, Table 4 (M={WORKERS}, loss)")
+    grid = [10 ** (5 + i * 0.05) for i in range(96)]  # 100k to 2.8B parameters
+    preds = [law.predict(n) for n in grid]
+    ax.plot(grid, [100 * p.gap for p in preds], c="grey", lw=1, label="its log-log fit")
+    ax.fill_between(
+        grid, [100 * p.low for p in preds], [100 * p.high for p in preds], color="grey", alpha=0.2
+    )
+    for key, marker, name in (("loss_gap", "o", "gap in loss"), ("ppl_gap", "s", "gap in perplexity")):
+        done = [r for r in rungs if key in r]
+        if not done:
+            continue
+        ys = [100 * r[key]["mean"] for r in done]
+        lo = [y - 100 * min(r[key]["per_seed"]) for y, r in zip(ys, done)]
+        hi = [100 * max(r[key]["per_seed"]) - y for y, r in zip(ys, done)]
+        xs = [r["parameters"] for r in done]
+        ax.errorbar(
+            xs, ys, yerr=[lo, hi], marker=marker, capsize=4, ls="-", label=f"ours, {name} (seed range)"
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("parameters")
+    ax.set_ylabel("DiLoCo vs 4x-batch DDP, final held-out gap (%)")
+    ax.set_title("DiLoCo's gap against model size (H=30, M=4, ~10-12 tokens/parameter)", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=Path, default=Path("runs/tune-law"))
@@ -161,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", nargs="*", type=int, default=[1337, 1])
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
-    law = from_reference(yaml.safe_load((ROOT / "results" / "reference.yaml").read_text()), WORKERS)
+    reference = yaml.safe_load((ROOT / "results" / "reference.yaml").read_text())
+    law = from_reference(reference, WORKERS)
     rungs = [rung(args.runs, size, args.seeds, law, args.report_only) for size in args.sizes]
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
@@ -172,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     (args.out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
     (args.out / "table.md").write_text(table(rungs))
+    plot(rungs, law, reference, args.out / "ladder.png")
     print(table(rungs))
     return 0
 
