@@ -13,9 +13,10 @@ DDP baseline reads the same tokens as DiLoCo (16 sequences per step on 2 ranks);
 quarter of them (4 sequences per step, as one DiLoCo worker).
 
 Stage 1 sweeps the inner learning rate of each method separately (1x DDP, 4x DDP, DiLoCo with the study's
-outer lr 0.6 and Nesterov momentum 0.9) over 2e-3, 4e-3 and 8e-3 at the first seed; where the best is at an
-edge, one more point past it joins the grid; then every point runs at every seed, ranked by mean loss. Stage 2 takes DiLoCo's best inner learning rate and tries the
-outer optimizers of the earlier tuning (0.5 / 0.8) and plain averaging (1.0 / 0). Every run is evaluated
+outer lr 0.6 and Nesterov momentum 0.9) over 2e-3, 4e-3 and 8e-3 at the first seed; where the best is
+at an edge, one more point past it joins the grid; then every point runs at every seed, ranked by mean
+loss. Stage 2 takes DiLoCo's best inner learning rate and tries the outer optimizers of the earlier
+tuning (0.5 / 0.8) and plain averaging (1.0 / 0). Every run is evaluated
 on `data.eval_subset=tune` (odd-numbered validation documents); the family reports `report`.
 """
 
