@@ -29,6 +29,7 @@ a transfer thread that hides it behind the tau steps is not built yet.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +43,7 @@ from diloco.checkpoint import CheckpointError
 from diloco.config import check_distributed
 from diloco.distributed import DataParallel
 from diloco.outer import OuterOptimizer
+from diloco.schema import DiLoCoConfig
 
 
 def make_buckets(params: list[torch.Tensor], bucket_size_mb: float) -> list[list[torch.Tensor]]:
@@ -118,7 +120,10 @@ class DiLoCo:
 
     @classmethod
     def from_config(cls, dcfg, ctx, model, optimizer) -> DiLoCo:
-        check_distributed(dcfg)
+        """`dcfg`: the validated typed block (schema.DiLoCoConfig, as build_strategy passes it), or a raw
+        `distributed:` block, checked and typed here."""
+        if not isinstance(dcfg, DiLoCoConfig):
+            dcfg = check_distributed(dcfg)
         # DDP inside the worker; also checks that every rank holds the same shapes and initial weights
         inner = DataParallel(dcfg, ctx, model, group=ctx.worker_group)
         timeout = dcfg.timeout_seconds
@@ -140,8 +145,9 @@ class DiLoCo:
             "cosine_sample_size",
             "cosine_sample_seed",
         )
+        values = dataclasses.asdict(dcfg)
         cross, intra = (comm.group_collective(g, timeout) for g in (ctx.cross_group, ctx.worker_group))
-        return cls(model, optimizer, cross, intra=intra, inner_strategy=inner, **{k: dcfg[k] for k in keys})
+        return cls(model, optimizer, cross, intra=intra, inner_strategy=inner, **{k: values[k] for k in keys})
 
     def __init__(
         self,

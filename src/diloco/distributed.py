@@ -250,8 +250,9 @@ class DataParallel:
         check_same_model(ctx, model)  # every rank of the run starts from bit-identical weights
         self.ctx, self.group = ctx, group
         self.size = dist.get_world_size(group) if ctx.initialized else 1
-        self.bucket_cap_mb = dcfg.get("ddp_bucket_cap_mb")  # None: DDP's default
-        self.log_every = int(dcfg.get("comm_log_every") or 0)
+        # dcfg: the typed block (schema.DDPConfig / DiLoCoConfig) or a raw one; a key it lacks is None
+        self.bucket_cap_mb = getattr(dcfg, "ddp_bucket_cap_mb", None)  # None: DDP's default
+        self.log_every = int(getattr(dcfg, "comm_log_every", None) or 0)
         self.ddp = None
         self.lost: RuntimeError | None = None  # a gradient all-reduce's failure (_peer_failure_named)
         self.total_bytes = 0  # bytes this rank handed to gradient all-reduces

@@ -34,6 +34,7 @@ from diloco.config import (
     ConfigError,
     check_batch_split,
     check_command_line,
+    check_distributed,
     print_error,
     schedule_notice,
     validate,
@@ -59,10 +60,12 @@ log = logging.getLogger("diloco")
 USER_ERRORS = (ConfigError, DataError, CheckpointError, CommError, DistributedError)
 
 
-def build_strategy(cfg: DictConfig, ctx: DistContext, model, optimizer) -> Strategy:
+def build_strategy(cfg: DictConfig, ctx: DistContext, model, optimizer, typed_cfg=None) -> Strategy:
     """The one place that knows the distributed modes; each result satisfies diloco.strategy.Strategy
-    (tests/test_strategy_protocol.py)."""
-    mode = cfg.distributed.mode
+    (tests/test_strategy_protocol.py). `typed_cfg`: what validate(cfg) returned (else typed here);
+    the synchronous strategies take its typed `distributed` block."""
+    dcfg = typed_cfg.distributed if typed_cfg is not None else check_distributed(cfg.distributed)
+    mode = dcfg.mode
     if mode == "none":
         from diloco.distributed import LocalTraining
 
@@ -70,11 +73,11 @@ def build_strategy(cfg: DictConfig, ctx: DistContext, model, optimizer) -> Strat
     if mode == "ddp":
         from diloco.distributed import DataParallel
 
-        return DataParallel(cfg.distributed, ctx, model)
+        return DataParallel(dcfg, ctx, model)
     if mode == "diloco":
         from diloco.diloco import DiLoCo
 
-        return DiLoCo.from_config(cfg.distributed, ctx, model, optimizer)
+        return DiLoCo.from_config(dcfg, ctx, model, optimizer)
     if mode == "dumb_diloco":
         from diloco.dumb_diloco.strategy import DumbDiLoCo
 
@@ -118,7 +121,7 @@ def setup_logging(run_dir: Path, ctx: DistContext) -> None:
 
 def run(cfg: DictConfig) -> int:
     # ----------------------------------------------------------------------------- set-up
-    validate(cfg)
+    typed_cfg = validate(cfg)
     ctx = init_distributed(cfg)
     check_batch_split(cfg.train.batch_size, cfg.train.micro_batch_size, ctx.ranks_per_worker)
     run_dir = Path(cfg.out_dir) / cfg.run_name
@@ -147,7 +150,7 @@ def run(cfg: DictConfig) -> int:
 
     # ----------------------------------------------------------------------------- optimizers, strategy
     optimizer = build_optimizer(cfg, model, device)
-    strategy = build_strategy(cfg, ctx, model, optimizer)
+    strategy = build_strategy(cfg, ctx, model, optimizer, typed_cfg)
     scheduler = build_schedule(cfg, optimizer, strategy.progress)  # at the run's step (Strategy.progress)
     train_model = strategy.wrap(model)
     if cfg.compile if cfg.compile is not None else device.type == "cuda":
