@@ -2,7 +2,7 @@
 run, composed of parts that own their state: the `Uploader` (uploader.py: baseline, carry, the upload
 lane, the final delta and marker), the `Installer` (install.py: the staged and installed global,
 translate's snapshots), the `Joiner` (startup.py: the store, the first global, the quorum) and the
-`Counters` (counters.py); on the master, the outer loop (master.py).
+`Counters` (counters.py); on the master, the `MasterRole` (master_role.py: the lease, the outer loop).
 
 The seven steps after each optimizer step: (1) the trainer calls `after_inner_step`; `on_step` receives
 the local step (2); at a boundary (local_step % inner_steps == 0; or every H x pace steps,
@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
@@ -46,10 +46,11 @@ from .ending import await_final_status
 from .install import Installer
 from .lanes import Buffers, DeltaJob, InlineLane, describe, fail_fast
 from .master import OuterLoop
+from .master_role import MasterRole
 from .progress import GlobalProgress
-from .recovery import GlobalSnapshot, MasterState, delta_layout, state_layout
+from .recovery import GlobalSnapshot, delta_layout, state_layout
 from .settings import DumbDiLoCoError, Settings
-from .startup import GlobalReader, Joiner, open_outer_loop, recover_outer_loop, take_lease
+from .startup import GlobalReader, Joiner
 from .tensor_format import InvalidTensorFile
 from .transport import HubTransport, Transport, deadline
 from .uploader import Uploader
@@ -127,9 +128,19 @@ class DumbDiLoCo:
         self._poll_lane: Any = None  # a one-thread executor or InlineLane, from `start`
         self._polling: Future | None = None
         self._last_poll = -math.inf
-        self.outer: OuterLoop | None = None  # the master's
-        self.ckpt_master: MasterState | None = None  # the trainer checkpoint's master state, for `start`
-        self.state_lock: IO | None = None  # the master's open <state_dir>/<node_id>/master.lock (flock)
+        self.master: MasterRole | None = None  # the lease and the outer loop (master_role.py); None: a worker
+        if settings.is_master:
+            self.master = MasterRole(
+                settings,
+                self.joiner,
+                self.state_dir,
+                fetch=self.fetch_global,
+                check_layout=self.installer.check_layout,
+                on_snapshot=self.stage,
+                max_file_bytes=self.max_file_bytes,
+                init_sha256=self.init_sha256,
+                hf_config=self.hf_config,
+            )
         self._resume: dict | None = None  # a trainer checkpoint taken mid-inner-loop (past the spec)
         self.pace_check = PaceCheck()  # the Hub commit budget at this node's measured pace
         self.final_status = ""  # after finish: what became of this node's final delta
@@ -190,6 +201,11 @@ class DumbDiLoCo:
         """A store put in front of the one in use (tests wrap it to inject faults)."""
         self.joiner.transport = transport
         self.uploader.connect(transport)
+
+    @property
+    def outer(self) -> OuterLoop | None:
+        """The master's outer loop, once started (None on a worker)."""
+        return self.master.outer if self.master is not None else None
 
     @property
     def installed_outer_step(self) -> int:
@@ -259,7 +275,7 @@ class DumbDiLoCo:
 
     @property
     def total_bytes(self) -> int:
-        outer = self.outer.bytes_uploaded + self.outer.bytes_downloaded if self.outer is not None else 0
+        outer = self.master.total_bytes if self.master is not None else 0
         return self.counters.bytes_uploaded + self.counters.bytes_downloaded + outer
 
     # ---------------------------------------------------------------- the trainer's hooks
@@ -294,8 +310,8 @@ class DumbDiLoCo:
             raise self.s.error(
                 "this node was closed; it cannot be started again" if self.closed else "not started"
             )
-        if self.outer is not None and self.outer.dead:  # a dead outer loop fails the master's run
-            raise self.s.error(f"the outer loop stopped: {self.outer.dead}")
+        if self.master is not None and self.master.dead:  # a dead outer loop fails the master's run
+            raise self.s.error(f"the outer loop stopped: {self.master.dead}")
         t0, now = time.perf_counter(), self.clock()
         if self._left is not None:  # the trainer's time for this step, without this node's stalls
             self.busy_seconds += now - self._left
@@ -483,15 +499,15 @@ class DumbDiLoCo:
             return
         with deadline(time.monotonic() + s.startup_timeout, "start-up"):  # retries included
             self.connect()
-            if s.is_master:
-                self._start_master()
+            if self.master is not None:
+                self.master.start(self.model.state_dict())  # stages its global
             else:
                 newer = self._safe_fetch()
                 if newer is not None:
                     self.stage(newer)
             self.uploader.announce()  # the master waits for this node at its end
-            if self._resume is None and self.outer is not None:
-                self.joiner.await_quorum(self.outer.state.outer_step)  # not a round ahead of the others
+            if self._resume is None and self.master is not None:
+                self.joiner.await_quorum(self.master.outer_step)  # not a round ahead of the others
             if self._resume is not None:
                 at_boundary = not (self._resume.get("steps_since_capture") or self._resume.get("carry"))
                 self._resume_inner_loop()
@@ -518,27 +534,6 @@ class DumbDiLoCo:
         self.uploader.start(lane("upload", s.async_delta_upload))
         self._poll_lane = lane("poll", s.async_global_poll and not s.is_master)
 
-    def _start_master(self) -> None:
-        """Take the repository (the lease), recover the newest state, publish it if the repository is
-        behind, start the outer loop (startup.py)."""
-        instance, self.state_lock = take_lease(self.s, self.transport, self.state_dir)
-        self.outer, publish, adopted = recover_outer_loop(
-            self.joiner,
-            self.fetch_global,
-            self.installer.check_layout,
-            self.model.state_dict(),
-            checkpoint=self.ckpt_master,
-            state_dir=self.state_dir,
-            max_file_bytes=self.max_file_bytes,
-            instance=instance,
-            init_sha256=self.init_sha256,
-            hf_config=self.hf_config,
-            on_snapshot=self.stage,
-        )
-        open_outer_loop(self.outer, self.s, publish, adopted)
-        self.stage(self.outer.snapshot())
-        self.outer.start()
-
     # ---------------------------------------------------------------- the end
 
     def finish(self) -> bool:
@@ -549,7 +544,8 @@ class DumbDiLoCo:
         end, bound = self.clock() + self.s.shutdown_timeout, time.monotonic() + self.s.shutdown_timeout
         with deadline(bound, "shutdown"):  # the Hub's retries included
             self.send_final(end)
-        self._stop_outer(self.s.drain_timeout)
+        if self.master is not None:
+            self.master.stop(self.s.drain_timeout)
         self.close()
         if self.outer is None:
             with deadline(bound, "shutdown"):
@@ -564,8 +560,9 @@ class DumbDiLoCo:
                 )
             log.info(f"node {self.s.node_id}: final delta {self.final_status}")
             return False
-        self.final_status = self._own_final_status()
-        final = self.outer.snapshot()
+        identity = (self.s.node_id, *self.last_uploaded) if self.last_uploaded else None
+        self.final_status = self.master.final_status(identity)
+        final = self.master.snapshot()
         if final.outer_step <= self.installed_outer_step:
             return False
         with torch.no_grad():
@@ -597,21 +594,6 @@ class DumbDiLoCo:
             self.uploader.warn_still_uploading()
         return not self.uploading
 
-    def _own_final_status(self) -> str:
-        if self.last_uploaded is None:
-            return "none: this node uploaded no delta"
-        with self.outer.lock:
-            e = self.outer.state.ledger.get((self.s.node_id, *self.last_uploaded))
-        return f"{e.status} at outer step {e.outer_step}" if e is not None else "not applied"
-
-    def _stop_outer(self, drain_timeout: float) -> None:
-        """The master's loop: rounds until every node's final delta is processed (at most `drain_timeout`;
-        0: one last round, as `close` after a failure does), then stop. Idempotent."""
-        if self.outer is not None and not self.outer.stopped:  # idempotent
-            if not self.outer.stop(drain_timeout, self.s.shutdown_timeout):
-                log.warning("master: the outer loop was still running after the shutdown timeout; leaving it")
-            self.outer.save_state()
-
     def close(self) -> None:
         """Bounded shutdown (idempotent): wait for an in-flight upload and (master) a last outer round."""
         if self.closed:
@@ -621,9 +603,8 @@ class DumbDiLoCo:
         self.uploader.shutdown()
         if self._poll_lane is not None:
             self._poll_lane.shutdown(wait=False, cancel_futures=True)
-        self._stop_outer(0.0)
-        if self.state_lock is not None:
-            self.state_lock.close()  # releases the flock on <state_dir>/<node_id>/master.lock
+        if self.master is not None:
+            self.master.close()  # a last outer round, then the lock released
         if self.uploader.carry is not None:
             log.warning(
                 f"node {self.s.node_id}: {self.uploader.carry.steps} step(s) of progress were never uploaded "
@@ -654,23 +635,9 @@ class DumbDiLoCo:
             m["comm/boundary_stall_seconds"] = stall
         if self.codec.bits:  # ||Q(v) - v|| / ||v|| of the last delta encoded (like DiLoCo's)
             m["comm/cast_rel_error"] = self.codec.rel_error
-        if self.outer is not None:
-            m |= self._outer_metrics(self.outer)
+        if self.master is not None:
+            m |= self.master.metrics()
         return m
-
-    @staticmethod
-    def _outer_metrics(o: OuterLoop) -> dict[str, float]:
-        return {
-            "outer/master_step": o.state.outer_step,
-            "outer/rounds": o.rounds,
-            "outer/errors": o.errors,
-            "outer/deltas_accepted": o.deltas_accepted,
-            "outer/deltas_rejected": o.deltas_rejected,
-            "outer/pseudo_grad_norm": o.last_pseudo_grad_norm,
-            "outer/pending_deltas": o.pending,
-            "outer/staleness_max": max(o.last_staleness, default=0),  # outer steps since the base
-            "outer/staleness_mean": sum(o.last_staleness) / max(len(o.last_staleness), 1),
-        }
 
     def summary(self) -> dict:
         """Final figures (pure: what was counted so far; `close` first to count the in-flight work)."""
@@ -694,7 +661,7 @@ class DumbDiLoCo:
         }
         out |= self._budget_summary()
         if self.outer is not None:
-            out["dumb_diloco/final_left"] = self.outer.describe_left()
+            out["dumb_diloco/final_left"] = self.master.describe_left()
         return out
 
     def _budget_summary(self) -> dict:
@@ -702,8 +669,7 @@ class DumbDiLoCo:
         local step, summed: the run's tokens / tokens_per_step when no delta was lost)."""
         if self.outer is None:
             return {}
-        with self.outer.lock:
-            applied = sum(max(step, 0) for step in self.outer.state.ledger.included.values())
+        applied = self.master.node_steps_applied()
         return {
             "dumb_diloco/node_steps_applied": applied,
             "dumb_diloco/tokens_applied": applied * self.tokens_per_step,
@@ -732,9 +698,9 @@ class DumbDiLoCo:
         carry = up.carry_state()
         if carry is not None:
             out["carry"] = carry
-        if self.outer is not None:
-            with self.outer.lock:
-                out["master"] = self.outer.state.to_checkpoint()
+        master = self.master.state_dict() if self.master is not None else None
+        if master is not None:
+            out["master"] = master
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -745,8 +711,8 @@ class DumbDiLoCo:
             self.uploader.last_uploaded = (int(last[0]), str(last[1]))
         if "progress" in state:  # the run step as it was; the next install replaces it
             self.global_progress.load_state_dict(state["progress"])
-        if "master" in state and self.s.is_master:
-            self.ckpt_master = MasterState.from_checkpoint(state["master"])
+        if "master" in state and self.master is not None:
+            self.master.load(state["master"])
         try:  # the error-feedback residual continues as it was (delta_codec)
             why = self.codec.load_state_dict(state.get("codec", {}), delta_layout(self.model.state_dict()))
         except ValueError as err:
