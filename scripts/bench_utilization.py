@@ -126,8 +126,8 @@ def run_trainer(overrides: list[str], patch_build=None) -> tuple[dict, Timed]:
     original = train_mod.build_strategy
     box = {}
 
-    def build(cfg, ctx, model, optimizer):
-        s = (patch_build or original)(cfg, ctx, model, optimizer)
+    def build(cfg, ctx, model, optimizer, typed_cfg=None):
+        s = (patch_build or original)(cfg, ctx, model, optimizer, typed_cfg)
         box["s"] = Timed(s)
         return box["s"]
 
@@ -150,13 +150,13 @@ def diloco_builder(bytes_per_s: float, workers: int):
     original = train_mod.build_strategy
     sentinel = object()
 
-    def build(cfg, ctx, model, optimizer):
+    def build(cfg, ctx, model, optimizer, typed_cfg=None):
         real = comm.group_collective
         coll = RingTimedCollective(bytes_per_s, workers)
         comm.group_collective = lambda group, timeout: coll if group is sentinel else real(group, timeout)
         ctx.cross_group = sentinel
         try:
-            return original(cfg, ctx, model, optimizer)
+            return original(cfg, ctx, model, optimizer, typed_cfg)
         finally:
             comm.group_collective, ctx.cross_group = real, None
 
@@ -176,7 +176,7 @@ def dumb_builder(bytes_per_s: float, repo: Path, state_dir: Path, h: int, poll: 
     original = train_mod.build_strategy
     box = {}
 
-    def build(cfg, ctx, model, optimizer):
+    def build(cfg, ctx, model, optimizer, typed_cfg=None):
         settings = Settings(
             role="master", node_id="master-1", repo_id=str(repo), inner_steps=h, poll_interval=poll,
             state_dir=str(state_dir), publish_hf_config=False, shutdown_timeout=600.0,
@@ -188,7 +188,7 @@ def dumb_builder(bytes_per_s: float, repo: Path, state_dir: Path, h: int, poll: 
         real_open = startup.open_transport
         startup.open_transport = lambda *a, **k: bc.ThrottledTransport(real_open(*a, **k), bytes_per_s)
         try:
-            return original(cfg, ctx, model, optimizer)
+            return original(cfg, ctx, model, optimizer, typed_cfg)
         finally:
             startup.open_transport = real_open
 

@@ -255,7 +255,9 @@ def test_the_trainer_stops_and_schedules_at_the_strategys_run_step(tmp_path, mon
         def progress(self, step: int) -> float:
             return step / 2
 
-    monkeypatch.setattr(trainer, "build_strategy", lambda cfg, ctx, model, optimizer: HalfPace(ctx))
+    monkeypatch.setattr(
+        trainer, "build_strategy", lambda cfg, ctx, model, optimizer, typed_cfg=None: HalfPace(ctx)
+    )
     run_dir = train(tmp_path, "train.max_steps=6", "optim.total_steps=6", "optim.warmup_steps=2")
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 12
     lrs = {r["step"]: r["lr"] for r in read_metrics(run_dir) if "lr" in r}
