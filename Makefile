@@ -16,7 +16,7 @@ FORCE ?= 0
 NODES_FILE ?= configs/local/nodes.txt
 export NODES_FILE
 
-.PHONY: help setup lock check-lock demo test test-gpu lint clean tune-law ladder-law replicate-tiny replicate-tiny-hetero replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
+.PHONY: help setup lock check-lock demo test test-gpu lint clean tune-law ladder-law replicate-tiny replicate-tiny-law replicate-tiny-hetero replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
 
 help:  ## list what can be run
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-18s %s\n", $$1, $$2}'
@@ -78,6 +78,12 @@ replicate-tiny: setup  ## the whole CPU-scale family here at 2 seeds (~8 min per
 	@set -e; for s in $(TINY_SEEDS); do $(PY) scripts/replicate.py --family tiny --runs $(RUNS)/tiny/s$$s --override seed=$$s; done
 	$(PY) scripts/report.py --family tiny --runs $(RUNS)/tiny
 	$(PY) scripts/check.py --family tiny --runs $(RUNS)/tiny
+
+# issue 33: the family in the scaling-law regime, 2 seeds (the long one; replicate-tiny stays short)
+replicate-tiny-law: setup  ## the CPU family in the scaling-law regime (262k params, 12.2 tokens/param, 52 rounds at H=30; settings from results/tiny-law-tuning) at 2 seeds (~30 min per seed on 2 idle cores), then its report and check
+	@set -e; for s in $(TINY_SEEDS); do $(PY) scripts/replicate.py --family tiny_law --runs $(RUNS)/tiny-law/s$$s --override seed=$$s; done
+	$(PY) scripts/report.py --family tiny_law --runs $(RUNS)/tiny-law
+	$(PY) scripts/check.py --family tiny_law --runs $(RUNS)/tiny-law
 
 # issue 12's heterogeneous bar: synchronous DiLoCo against DumbDiLoCo with worker/node 3 2x slower, per seed,
 # then the pairs' record (a folder of runs, not results/: committed records are not overwritten)

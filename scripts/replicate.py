@@ -1,5 +1,5 @@
 """Run a family of experiments in order: `make replicate-150m`, `replicate-1b`, `ablation-fp16`,
-`replicate-tiny`, `replicate-gpu`.
+`replicate-tiny`, `replicate-tiny-law`, `replicate-gpu`.
 
     python scripts/replicate.py --family tiny                     # here, on CPU, every run of the family
     python scripts/replicate.py --family gpu                      # here, every run on this machine's one GPU
@@ -79,6 +79,17 @@ FAMILIES = {  # the order runs are started in
         "150m/diloco_8w_h500_fp16",
     ],
     "tiny": ["tiny/ddp_1x", "tiny/ddp_mx", "tiny/diloco_fp32", "tiny/diloco_fp16", "tiny/dumb_diloco"],
+    # issue 33: the family in the scaling-law regime (262k parameters, 52 rounds at H=30, 12.2 tokens per
+    # parameter; results/tiny-law-tuning chose every setting), with the compressed formats beside FP32
+    "tiny_law": [
+        "tiny_law/ddp_1x",
+        "tiny_law/ddp_mx",
+        "tiny_law/diloco_fp32",
+        "tiny_law/diloco_fp16",
+        "tiny_law/diloco_int8",
+        "tiny_law/diloco_int4",
+        "tiny_law/dumb_diloco",
+    ],
     # issue 12's heterogeneous bar, with FAMILY_OVERRIDES' slow shard; DumbDiLoCo's nodes share synchronous
     # DiLoCo's tokens (budget: global)
     "tiny-hetero": ["tiny/diloco_fp32", "tiny/dumb_diloco_hetero"],
@@ -101,7 +112,13 @@ FAMILIES = {  # the order runs are started in
 FAMILY_OVERRIDES = {"tiny-hetero": ["train.slowdown=2", "train.slow_shards=[3]", "train.step_seconds=0.25"]}
 
 # the families that run on this machine (run_local), and their device; the rest run on a hosts file's nodes
-LOCAL_FAMILIES = {"tiny": "cpu", "tiny-compress": "cpu", "tiny-hetero": "cpu", "gpu": "cuda"}
+LOCAL_FAMILIES = {
+    "tiny": "cpu",
+    "tiny_law": "cpu",
+    "tiny-compress": "cpu",
+    "tiny-hetero": "cpu",
+    "gpu": "cuda",
+}
 
 # --cpu-smoke: every run of a GPU family at a size 2 CPU cores take in seconds. The batches, H and the
 # topology (W workers, the DDP ranks, the DumbDiLoCo nodes) stay the experiment's; the micro model reads

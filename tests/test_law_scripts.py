@@ -83,3 +83,57 @@ def test_the_ladders_rungs_read_ten_to_twelve_tokens_per_parameter_in_52_outer_r
             assert 10 <= tokens / num_parameters(cfg.model) <= 12.5, (size, method)
             assert cfg.data.eval_subset == "report"
         assert cfg.train.max_steps // cfg.distributed.inner_steps >= 50
+
+
+FAMILY = {  # the family's config -> the tuning experiment its settings were chosen on
+    "tiny_law/ddp_1x": "tiny/ddp_1x",
+    "tiny_law/ddp_mx": "tiny/ddp_mx",
+    "tiny_law/diloco_fp32": "tiny/diloco_fp32",
+}
+NAMING = ("run_name", "launch.family", "launch.reference", "wandb.group", "data.eval_subset")
+
+
+def flat(cfg) -> dict:
+    def walk(d: dict, prefix: str = ""):
+        for k, v in d.items():
+            yield from walk(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+
+    return dict(walk(OmegaConf.to_container(cfg, resolve=False)))
+
+
+def tuning_setting(family_cfg, experiment: str) -> tuple[str, list[str]]:
+    """The tuning's setting (name, overrides) that a family config's values pick."""
+    lr = family_cfg.optim.lr
+    if experiment != "tiny/diloco_fp32":
+        return tune_law.inner_setting(experiment, lr)
+    return tune_law.diloco(lr, family_cfg.distributed.outer_lr, family_cfg.distributed.outer_momentum)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_the_family_trains_exactly_as_the_tuning_runs_of_its_chosen_setting(name):
+    """Only the evaluated half (report, not tune) and the names differ: the family's numbers are the tuned
+    runs' own training, evaluated on the other half."""
+    family = compose_experiment(name, ["seed=1337", "out_dir=x"])
+    setting = tuning_setting(family, FAMILY[name])
+    tuned = compose_experiment(FAMILY[name], [*tune_law.overrides(FAMILY[name], setting, 1337), "out_dir=x"])
+    a, b = flat(family), flat(tuned)
+    differ = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+    assert differ - set(NAMING) <= {"train.progress"}, differ
+    assert (family.data.eval_subset, tuned.data.eval_subset) == ("report", "tune")
+
+
+def test_the_family_variants_change_only_their_format_or_mode():
+    fp32 = flat(compose_experiment("tiny_law/diloco_fp32", ["out_dir=x"]))
+    for name, keys in {
+        "tiny_law/diloco_fp16": {"distributed.pseudo_grad_dtype", "distributed.fp16_scaling"},
+        "tiny_law/diloco_int8": {"distributed.pseudo_grad_dtype", "distributed.error_feedback"},
+        "tiny_law/diloco_int4": {"distributed.pseudo_grad_dtype", "distributed.error_feedback"},
+    }.items():
+        other = flat(compose_experiment(name, ["out_dir=x"]))
+        differ = {k for k in fp32.keys() | other.keys() if fp32.get(k) != other.get(k)}
+        assert differ - {"run_name", "launch.reference"} <= keys, (name, differ)
+    dumb = compose_experiment("tiny_law/dumb_diloco", ["out_dir=x"])
+    sync = compose_experiment("tiny_law/diloco_fp32", ["out_dir=x"])
+    assert dumb.optim == sync.optim and dumb.train == sync.train and dumb.data == sync.data
+    for key in ("inner_steps", "outer_lr", "outer_momentum"):
+        assert dumb.distributed[key] == sync.distributed[key]
