@@ -131,6 +131,25 @@ def provenance(command: str) -> dict:
     }
 
 
+def tuning_regime(rows: list[dict], unique: int, detail: str = "") -> str:
+    """A tuning record's data-regime line: each method's tokens trained per run and the epochs of the
+    sample's `unique` training tokens they are, then `detail` (steps, rounds), on the tuning half."""
+    tokens = {r["experiment"]: g["tokens_seen"] for r in rows for g in r["runs"] if g}
+    per_run = "; ".join(f"{e} {t:,} ({t / unique:.2f} epochs)" for e, t in tokens.items())
+    return (
+        f"Data regime: packing, {unique:,} unique training tokens; tokens trained per run: {per_run}; "
+        f"{detail}evaluated on data.eval_subset=tune.\n"
+    )
+
+
+def write_tuning_record(out: Path, record: dict, text: str) -> None:
+    """A tuning record in `out`: summary.json (`record`) and table.md (`text`, also printed)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / "table.md").write_text(text)
+    print(text)
+
+
 def clean_summary(path: Path, completed_steps: int | None = None) -> dict:
     """A run's summary.json for a results record: refused (SystemExit, one line) when the run was made
     from a dirty tree, and, with `completed_steps`, when it did not complete them."""

@@ -23,7 +23,6 @@ on `data.eval_subset=tune` (odd-numbered validation documents); the family repor
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -183,13 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         run_grid(args.runs, outer, args.seeds)
     rows += rows_of(args.runs, outer, args.seeds)
     unique = unique_train_tokens("2m")
-    tokens = {r["experiment"]: g["tokens_seen"] for r in rows for g in r["runs"] if g}
-    per_run = "; ".join(f"{e} {t:,} ({t / unique:.2f} epochs)" for e, t in tokens.items())
-    regime = (
-        f"Data regime: packing, {unique:,} unique training tokens; tokens trained per run: {per_run}; "
-        f"{STEPS} steps (DiLoCo: {STEPS // 30} outer rounds at H=30); evaluated on data.eval_subset=tune.\n"
-    )
-    args.out.mkdir(parents=True, exist_ok=True)
+    detail = f"{STEPS} steps (DiLoCo: {STEPS // 30} outer rounds at H=30); "
+    regime = bc.tuning_regime(rows, unique, detail)
     record = {
         **bc.provenance(f"python scripts/tune_law.py --runs {args.runs} --stage {args.stage}"),
         "regime_overrides": REGIME,
@@ -199,9 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "diloco_best_inner_lr": lr,
         "rows": rows,
     }
-    (args.out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out / "table.md").write_text(regime + table(rows, args.seeds))
-    print(regime + table(rows, args.seeds))
+    bc.write_tuning_record(args.out, record, regime + table(rows, args.seeds))
     return 0
 
 

@@ -19,7 +19,6 @@ method by their mean over seeds and shows each seed's perplexity and the spread 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import bench_common as bc
@@ -117,13 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
     unique = unique_train_tokens("micro")
-    tokens = {r["experiment"]: g["tokens_seen"] for r in rows for g in r["runs"] if g}
-    per_run = "; ".join(f"{e} {t:,} ({t / unique:.2f} epochs)" for e, t in tokens.items())
-    regime = (
-        f"Data regime: packing, {unique:,} unique training tokens; tokens trained per run: {per_run}; "
-        "evaluated on data.eval_subset=tune.\n"
-    )
-    args.out.mkdir(parents=True, exist_ok=True)
+    regime = bc.tuning_regime(rows, unique)
     record = {
         **bc.provenance(f"python scripts/tune_tiny.py --runs {args.runs} --experiments {' '.join(grid)}"),
         "common_overrides": COMMON,
@@ -131,9 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         "unique_train_tokens": unique,
         "rows": rows,
     }
-    (args.out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out / "table.md").write_text(regime + table(rows, args.seeds))
-    print(regime + table(rows, args.seeds))
+    bc.write_tuning_record(args.out, record, regime + table(rows, args.seeds))
     return 0
 
 
