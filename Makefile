@@ -94,7 +94,7 @@ replicate-tiny-hetero: setup  ## one node 2x slower, synchronous DiLoCo vs DumbD
 # SMOKE=1: the same runs, report and check, tiny, on CPU (what tests/test_replicate_gpu.py runs); the
 # report then goes beside the runs and the verdicts judge the pipeline, not the paper (a FAIL is expected).
 GPU_OUT = $(or $(OUT),$(if $(filter 1,$(SMOKE)),$(RUNS)/gpu-report,results/gpu))
-replicate-gpu: setup  ## the paper's comparison at 14M on this machine's one GPU (~10 min on an H100/H200), then its report (results/gpu; OUT=dir, FORCE=1) and check
+replicate-gpu: setup  ## the paper's comparison at 14M on this machine's one GPU (~15 min on an H100/H200, estimated), then its report (results/gpu; OUT=dir, FORCE=1) and check
 	$(PY) scripts/replicate.py --family gpu --runs $(RUNS) $(if $(filter 1,$(SMOKE)),--cpu-smoke,)
 	$(PY) scripts/report.py --family gpu --runs $(RUNS) --out $(GPU_OUT) $(if $(filter 1,$(FORCE)),--force,)
 	$(PY) scripts/check.py --family gpu --runs $(RUNS)$(if $(filter 1,$(SMOKE)), || echo "smoke run: verdicts at tiny size",)

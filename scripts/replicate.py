@@ -122,16 +122,16 @@ LOCAL_FAMILIES = {
 
 # --cpu-smoke: every run of a GPU family at a size 2 CPU cores take in seconds. The batches, H and the
 # topology (W workers, the DDP ranks, the DumbDiLoCo nodes) stay the experiment's; the micro model reads
-# the sample with its own tokenizer (vocab 1024), 50 steps of 32-token sequences (2 rounds at H=25),
-# evaluated every 25.
+# the sample with its own tokenizer (vocab 1024), 60 steps of 32-token sequences (2 rounds at H=30),
+# evaluated every 30.
 CPU_SMOKE = [
     "model=micro",
     "data.tokenizer=${diloco_asset:sample/tokenizer}",
     "data.seq_len=32",
-    "train.max_steps=50",
-    "optim.total_steps=50",
+    "train.max_steps=60",
+    "optim.total_steps=60",
     "optim.warmup_steps=5",
-    "train.eval_every=25",
+    "train.eval_every=30",
     "eval.tokens=2048",
     "wandb.mode=disabled",
 ]
