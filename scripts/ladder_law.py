@@ -18,7 +18,9 @@ Per size and method, the sweep runs three inner learning rates at seed 1337 on t
 (`data.eval_subset=tune`); when the best is at an edge of the grid one more point past it is run. The
 best lr of each method then runs at every seed on the reported half (`report`). DiLoCo uses the study's
 outer optimizer (lr 0.6, Nesterov 0.9) at every size: the study swept it per worker count, not per size.
-At the family's size the sweep's runs are `tune_law`'s stage 1 (same names, same folder: not rerun).
+At the family's size the sweep's runs are `tune_law`'s stage 1 (same names, same folder: not rerun), and
+the finals are `make replicate-tiny-law`'s runs (`--family-runs`, one folder per seed) where the family's
+config is the ladder's setting (the same lr, the study's outer optimizer); otherwise they run here.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ SIZES = {"ladder_0_13m": 2, "2m": 4, "micro": 9}  # model -> sequences per worke
 METHODS = {"ddp": "tiny/ddp_mx", "diloco": "tiny/diloco_fp32"}
 LRS = (2e-3, 4e-3, 8e-3)
 WORKERS = 4
+FAMILY = {"ddp": "tiny_law/ddp_mx", "diloco": "tiny_law/diloco_fp32"}  # the 2m rung's finals, when the same
 
 
 def batch(method: str, per_worker: int) -> list[str]:
@@ -90,6 +93,27 @@ def ensure(runs: Path, size: str, method: str, lr: float, seed: int, subset: str
     return read(runs, run_name(size, method, lr, seed, subset))
 
 
+def family_final(family_runs: Path | None, method: str, lr: float, seed: int) -> dict | None:
+    """The family's run of `method` at `seed` when it is the ladder's 2m final (same lr and outer
+    optimizer: tests/test_law_scripts.py checks the rest of the config is the same), else None."""
+    if family_runs is None:
+        return None
+    cfg = compose_experiment(FAMILY[method], [f"seed={seed}"])
+    if cfg.optim.lr != lr:
+        return None
+    outer = (cfg.distributed.get("outer_lr"), cfg.distributed.get("outer_momentum"))
+    if method == "diloco" and outer != tune_law.STUDY_OUTER:
+        return None
+    return read(family_runs / f"s{seed}", cfg.run_name)
+
+
+def final(runs: Path, size: str, method: str, lr: float, seed: int, dry: bool, family_runs: Path | None):
+    """A rung's final run on the reported half: the family's own at its size when it is the same run."""
+    if size == "2m" and (got := family_final(family_runs, method, lr, seed)) is not None:
+        return got
+    return ensure(runs, size, method, lr, seed, "report", dry)
+
+
 def sweep(runs: Path, size: str, method: str, seed: int, dry: bool) -> dict:
     """lr -> the tuning half's final loss; extended one point past an edge that wins."""
     lrs = list(LRS)
@@ -109,7 +133,7 @@ def sweep(runs: Path, size: str, method: str, seed: int, dry: bool) -> dict:
         lrs.append(edge)
 
 
-def rung(runs: Path, size: str, seeds: list[int], law, dry: bool) -> dict:
+def rung(runs: Path, size: str, seeds: list[int], law, dry: bool, family_runs: Path | None = None) -> dict:
     params = num_parameters(
         compose_experiment(METHODS["ddp"], overrides(size, "ddp", LRS[0], 0, "tune")).model
     )
@@ -118,7 +142,7 @@ def rung(runs: Path, size: str, seeds: list[int], law, dry: bool) -> dict:
         out["sweeps"][method] = sweep(runs, size, method, seeds[0], dry)
         best = out["sweeps"][method]["best"]
         out["finals"][method] = [
-            None if best is None else ensure(runs, size, method, best, s, "report", dry) for s in seeds
+            None if best is None else final(runs, size, method, best, s, dry, family_runs) for s in seeds
         ]
     pred = law.predict(params)
     out["prediction"] = {"gap": pred.gap, "low": pred.low, "high": pred.high, "text": pred.describe()}
@@ -201,11 +225,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "results" / "ladder-law")
     p.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
     p.add_argument("--seeds", nargs="*", type=int, default=[1337, 1])
+    p.add_argument(
+        "--family-runs",
+        type=Path,
+        default=Path("runs/tiny-law"),
+        help="make replicate-tiny-law's runs (s<seed>/ folders): the 2m rung's finals",
+    )
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
     reference = yaml.safe_load((ROOT / "results" / "reference.yaml").read_text())
     law = from_reference(reference, WORKERS)
-    rungs = [rung(args.runs, size, args.seeds, law, args.report_only) for size in args.sizes]
+    rungs = [
+        rung(args.runs, size, args.seeds, law, args.report_only, args.family_runs) for size in args.sizes
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
         **bc.provenance(f"python scripts/ladder_law.py --runs {args.runs}"),

@@ -137,3 +137,22 @@ def test_the_family_variants_change_only_their_format_or_mode():
     assert dumb.optim == sync.optim and dumb.train == sync.train and dumb.data == sync.data
     for key in ("inner_steps", "outer_lr", "outer_momentum"):
         assert dumb.distributed[key] == sync.distributed[key]
+
+
+@pytest.mark.parametrize("method", ["ddp", "diloco"])
+def test_the_ladders_262k_finals_are_the_familys_runs_when_their_setting_is_the_same(tmp_path, method):
+    family = compose_experiment(ladder_law.FAMILY[method], ["seed=1", "out_dir=x"])
+    lr = family.optim.lr
+    rung = compose_experiment(ladder_law.METHODS[method], ladder_law.overrides("2m", method, lr, 1, "report"))
+    a, b = flat(family), flat(rung)
+    differ = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+    same_outer = method == "ddp" or (
+        (family.distributed.outer_lr, family.distributed.outer_momentum) == tune_law.STUDY_OUTER
+    )
+    if not same_outer:  # the family took stage 2's outer optimizer: the ladder runs its own finals
+        assert ladder_law.family_final(tmp_path, method, lr, 1) is None
+        return
+    assert differ - set(NAMING) <= {"train.progress", "out_dir"}, differ
+    summary(tmp_path / "s1", family.run_name, 4.0)
+    assert ladder_law.family_final(tmp_path, method, lr, 1)["final_eval_loss"] == 4.0
+    assert ladder_law.family_final(tmp_path, method, lr * 2, 1) is None  # another lr: not the same run
