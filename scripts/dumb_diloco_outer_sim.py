@@ -43,13 +43,12 @@ def run(cfg, tokenizer, batches, outer_lr: float, outer_momentum: float, rounds:
             poll_interval=1e9, outer_lr=outer_lr, outer_momentum=outer_momentum, async_delta_upload=False,
             async_global_poll=False, state_dir=str(root / "state"),
         )  # fmt: skip
-        coord = DumbDiLoCo(model, settings, repo)
+        coord = DumbDiLoCo(model, settings, repo, manual_rounds=i == 0)  # the master's rounds: by hand below
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
         sched = get_cosine_schedule_with_warmup(opt, 2, STEPS)
         nodes.append((model, coord, opt, sched, SequenceStream(cfg.data, tokenizer, "train", i, len(NODES))))
     nodes[0][1].start()
-    outer = nodes[0][1].outer
-    outer._stop.set()  # the rounds are driven by hand below, not by the thread's clock
+    outer = nodes[0][1].outer  # never started: each run_once below is one round
     for _, coord, *_ in nodes[1:]:
         coord.start()
     for step in range(1, STEPS + 1):

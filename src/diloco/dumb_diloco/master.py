@@ -66,7 +66,9 @@ class RoundResult:
 
 @dataclass(eq=False)
 class OuterLoop:
-    """Steps 1-10 of the outer loop over a `Transport`; `start()` runs them in a daemon thread."""
+    """Steps 1-10 of the outer loop over a `Transport`; `start()` runs them in a daemon thread. Never
+    started, the loop is the caller's to drive (a lock-step simulation): each `run_once()` is one round,
+    and `stop()` has no thread to stop (it runs no last round)."""
 
     transport: Transport
     state: MasterState

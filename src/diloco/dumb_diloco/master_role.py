@@ -4,8 +4,9 @@
 
 Invariants: `start` takes the lease, recovers the newest state (startup.py), hands its global to
 `on_snapshot` and then starts the loop; `stop` drains at most `drain_timeout` and saves (idempotent);
-`close` is `stop(0)` (one last round) and releases the lock (idempotent). Prose: docs/dumb_diloco.md
-("Master outer loop", "Restarts and checkpoints").
+`close` is `stop(0)` (one last round) and releases the lock (idempotent). With `manual_rounds` no thread
+is started: the caller drives every round through `outer.run_once()` (a simulation in lock step). Prose:
+docs/dumb_diloco.md ("Master outer loop", "Restarts and checkpoints").
 """
 
 from __future__ import annotations
@@ -40,12 +41,14 @@ class MasterRole:
         max_file_bytes: int,
         init_sha256: str,
         hf_config: dict | None,
+        manual_rounds: bool = False,
     ):
         self.s = settings
         self.joiner = joiner  # its transport, once connected, is the repository's
         self.state_dir = state_dir
         self.fetch, self.check_layout, self.on_snapshot = fetch, check_layout, on_snapshot
         self.max_file_bytes, self.init_sha256, self.hf_config = max_file_bytes, init_sha256, hf_config
+        self.manual_rounds = manual_rounds  # True: no outer-loop thread; the caller calls outer.run_once()
         self.checkpoint: MasterState | None = None  # the trainer checkpoint's master state, for `start`
         self.outer: OuterLoop | None = None  # from `start`
         self._lock: IO | None = None  # the open master.lock (flock)
@@ -57,7 +60,8 @@ class MasterRole:
 
     def start(self, model_state: dict[str, torch.Tensor]) -> None:
         """Take the repository (the lease), recover the newest state, publish it if the repository is
-        behind, hand its global to `on_snapshot`, start the outer loop (startup.py)."""
+        behind, hand its global to `on_snapshot`, start the outer loop (startup.py; not with
+        `manual_rounds`)."""
         instance, self._lock = take_lease(self.s, self.joiner.transport, self.state_dir)
         self.outer, publish, adopted = recover_outer_loop(
             self.joiner,
@@ -74,7 +78,8 @@ class MasterRole:
         )
         open_outer_loop(self.outer, self.s, publish, adopted)
         self.on_snapshot(self.outer.snapshot())
-        self.outer.start()
+        if not self.manual_rounds:
+            self.outer.start()
 
     def stop(self, drain_timeout: float) -> None:
         """Rounds until every node's final delta is processed (at most `drain_timeout`; 0: one last round),

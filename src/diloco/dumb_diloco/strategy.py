@@ -83,6 +83,7 @@ class DumbDiLoCo:
         hf_config: dict | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        manual_rounds: bool = False,  # master: no outer-loop thread; the caller drives outer.run_once()
     ):
         if settings.role == "single":
             raise ValueError("role=single has no node (it trains like distributed=none)")
@@ -140,6 +141,7 @@ class DumbDiLoCo:
                 max_file_bytes=self.max_file_bytes,
                 init_sha256=self.init_sha256,
                 hf_config=self.hf_config,
+                manual_rounds=manual_rounds,
             )
         self._resume: dict | None = None  # a trainer checkpoint taken mid-inner-loop (past the spec)
         self.pace_check = PaceCheck()  # the Hub commit budget at this node's measured pace
