@@ -141,12 +141,17 @@ def topology(cfg: DictConfig) -> dict:
 
 def wire_bytes(params: int, dcfg: DictConfig) -> float:
     """Bytes of one worker's pseudo-gradient on the wire: `pseudo_grad_dtype`'s size, or for int8/int4
-    the codes plus one bfloat16 scale per `quant_block_size` values (diloco.quant.payload_bytes)."""
-    from diloco import quant
+    the codes plus one bfloat16 scale per `quant_block_size` values (diloco.quant.payload_bytes), or for
+    topk2 the codes, indices and levels of every chunk (diloco.sparse.payload_bytes)."""
+    from diloco import quant, sparse
 
     dtype = dcfg.get("pseudo_grad_dtype", "float32")
     if dtype in quant.QUANT_BITS:
         return quant.payload_bytes(params, quant.QUANT_BITS[dtype], dcfg.get("quant_block_size", 256))
+    if dtype == sparse.TOPK_DTYPE:
+        chunk = dcfg.get("topk_chunk", sparse.MAX_CHUNK)
+        k = sparse.topk_count(dcfg.get("topk_density", 1 / 64), chunk)
+        return sparse.payload_bytes(params, chunk, k)
     return params * DTYPE_BYTES[dtype]
 
 

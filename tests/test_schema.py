@@ -121,9 +121,9 @@ def test_keys_outside_the_schema_are_refused_even_with_plus(override):
 
 
 def test_wire_dtypes_named_in_the_schema_are_the_ones_diloco_implements():
-    from diloco import comm, quant
+    from diloco import comm, quant, sparse
 
-    assert set(WIRE_DTYPES) == set(comm.WIRE_DTYPES) | set(quant.QUANT_BITS)
+    assert set(WIRE_DTYPES) == set(comm.WIRE_DTYPES) | set(quant.QUANT_BITS) | {sparse.TOPK_DTYPE}
 
 
 def test_a_hand_built_block_is_typed_like_a_composed_one():

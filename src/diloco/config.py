@@ -26,8 +26,9 @@ from diloco import schema
 from diloco.assets import register_resolvers  # noqa: F401  (configs use ${diloco_asset:...})
 
 # DiLoCo's pseudo-gradient wire dtypes (diloco.comm: the floats, all-reduced; diloco.quant: int8/int4,
-# all-gathered)
-WIRE_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4")
+# reduce-scattered and all-gathered; diloco.sparse: topk2, all-gathered)
+WIRE_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4", "topk2")
+ERROR_FEEDBACK_DTYPES = ("int8", "int4", "topk2")
 GLOBAL_COPY_DEVICES = ("cpu", "device")
 DUMB_DILOCO_ROLES = ("master", "worker", "single")
 
@@ -324,6 +325,7 @@ def check_distributed(block: Any) -> Any:
         _number("distributed.outer_lr", d.outer_lr, 0)
         _number("distributed.outer_momentum", d.outer_momentum, 0, strict=False, hi=1)
         _check_quantization(d, WIRE_DTYPES)
+        _check_topk(d)
         _number("distributed.fragments", d.fragments, 1, strict=False, integer=True, hi=d.inner_steps + 1)
         _number("distributed.overlap_steps", d.overlap_steps, 0, strict=False, integer=True, hi=d.inner_steps)
         _number("distributed.fragment_alpha", d.fragment_alpha, 0, strict=False, hi=1)
@@ -340,11 +342,32 @@ def check_distributed(block: Any) -> Any:
 def _check_quantization(d: Any, dtypes: tuple[str, ...]) -> None:
     """DiLoCo's and DumbDiLoCo's pseudo-gradient codes (both diloco.quant)."""
     _one_of("distributed.pseudo_grad_dtype", d.pseudo_grad_dtype, dtypes)
-    if d.error_feedback and d.pseudo_grad_dtype not in ("int8", "int4"):
-        raise ConfigError("distributed.error_feedback applies to pseudo_grad_dtype int8 or int4 only")
+    if d.error_feedback and d.pseudo_grad_dtype not in ERROR_FEEDBACK_DTYPES:
+        allowed = [t for t in ERROR_FEEDBACK_DTYPES if t in dtypes]
+        raise ConfigError(
+            f"distributed.error_feedback applies to pseudo_grad_dtype {' or '.join(allowed)} only"
+        )
     _number("distributed.quant_block_size", d.quant_block_size, 2, strict=False, integer=True)
     if d.quant_block_size % 2:
         raise ConfigError("distributed.quant_block_size must be even (4-bit codes are packed in pairs)")
+
+
+def _check_topk(d: Any) -> None:
+    """DiLoCo's sparse format (diloco.sparse): always with error feedback, k >= 1 of <= 4,096 per chunk."""
+    _number("distributed.topk_density", d.topk_density, 0)
+    if d.topk_density > 1:
+        raise ConfigError(f"distributed.topk_density must be in (0, 1], got {d.topk_density!r}")
+    _number("distributed.topk_chunk", d.topk_chunk, 1, strict=False, integer=True, hi=4097)
+    if d.pseudo_grad_dtype == "topk2" and d.error_feedback is False:
+        raise ConfigError(
+            "distributed.error_feedback=false cannot go with pseudo_grad_dtype topk2 "
+            "(it sends ~2% of each round: the rest must be carried)"
+        )
+    if round(d.topk_density * d.topk_chunk) < 1:
+        raise ConfigError(
+            f"distributed.topk_density x topk_chunk must keep at least 1 value per chunk, got "
+            f"{d.topk_density!r} x {d.topk_chunk}"
+        )
 
 
 def check_dumb_diloco(d: Any) -> None:

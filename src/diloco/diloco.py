@@ -12,8 +12,9 @@
 
 The trainer calls `after_inner_step(step)` after every AdamW step; every H steps it runs `outer_step`.
 The global copy theta_{t-1} and the outer momentum live in float32 on `global_copy_device`. The
-averaging goes through `diloco.comm.Averager` (pseudo_grad_dtype float32/float16/bfloat16, all-reduced) or
-`diloco.quant.QuantizedAverager` (int8/int4 codes with error feedback, all-gathered). A worker
+averaging goes through `diloco.comm.Averager` (pseudo_grad_dtype float32/float16/bfloat16, all-reduced),
+`diloco.quant.QuantizedAverager` (int8/int4 codes with error feedback, all-gathered) or
+`diloco.sparse.TopKAverager` (topk2: top-k 2-bit values and indices with error feedback). A worker
 of G > 1 ranks trains with DDP inside; its ranks split the buckets, each all-reduces its share with
 its counterparts in the other workers and broadcasts the mean to its worker, so a worker sends every
 byte of the pseudo-gradient once. OpenDiLoCo keeps the AdamW state across rounds; the DumbDiLoCo
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco import comm, quant
+from diloco import comm, quant, sparse
 from diloco.checkpoint import CheckpointError
 from diloco.config import check_distributed
 from diloco.distributed import DataParallel
@@ -136,6 +137,8 @@ class DiLoCo:
             "fp16_scaling",
             "error_feedback",
             "quant_block_size",
+            "topk_density",
+            "topk_chunk",
             "fragments",
             "overlap_steps",
             "fragment_alpha",
@@ -168,6 +171,8 @@ class DiLoCo:
         cosine_sample_seed: int,
         error_feedback: bool | None = None,
         quant_block_size: int = 256,
+        topk_density: float = 1 / 64,
+        topk_chunk: int = sparse.MAX_CHUNK,
         fragments: int = 1,
         overlap_steps: int = 0,
         fragment_alpha: float = 0.0,
@@ -182,6 +187,9 @@ class DiLoCo:
         if pseudo_grad_dtype in quant.QUANT_BITS:  # int8/int4 codes, all-gathered, with error feedback
             ef = error_feedback is None or error_feedback
             self.averager = quant.QuantizedAverager(cross, pseudo_grad_dtype, quant_block_size, ef)
+        elif pseudo_grad_dtype == sparse.TOPK_DTYPE:  # top-k 2-bit values and indices, all-gathered
+            ef = error_feedback is None or error_feedback
+            self.averager = sparse.TopKAverager(cross, topk_density, topk_chunk, ef)
         else:
             self.averager = comm.Averager(cross, pseudo_grad_dtype, fp16_scaling)
         self.buckets, self.fragments = fragment_buckets(list(model.parameters()), fragments, bucket_size_mb)
@@ -341,7 +349,8 @@ class DiLoCo:
                 f"outer step {self.outer_round}: the averaged pseudo-gradient is not finite (training "
                 f"diverged, or the {self.averager.dtype} sum overflowed: try fp16_scaling=true or float32)"
             )
-        return grads, {**self._round_metrics(norm), "outer/fragment": fragment}
+        numel = sum(sum(self.sizes[b]) for b in self.fragments[fragment])
+        return grads, {**self._round_metrics(norm, numel), "outer/fragment": fragment}
 
     @torch.no_grad()
     def _apply(self, fragment: int, grads: dict[int, torch.Tensor]) -> None:
@@ -359,7 +368,8 @@ class DiLoCo:
             for p in self._fragment_params[fragment]:
                 self.inner_optimizer.state.pop(p, None)
 
-    def _round_metrics(self, norm: float) -> dict[str, float]:
+    def _round_metrics(self, norm: float, numel: int) -> dict[str, float]:
+        """The round's metrics; numel: the parameters it synchronised (all of them, or a fragment's)."""
         m = self.meter.finish(self.device)
         sent = m["payload"] + m["scales"]  # what this worker sent to the others (per worker, all ranks)
         self.total_bytes += sent
@@ -375,6 +385,7 @@ class DiLoCo:
             "comm/bytes": sent,
             f"comm/bytes_{self.averager.dtype}": m["payload"],
             "comm/scale_bytes": m["scales"],
+            "comm/bits_per_param": 8 * sent / numel,  # codes, indices and scales: what left this worker
             "comm/metric_bytes": m["metric"],
             "comm/bytes_per_inner_step": sent * len(self.fragments) / self.inner_steps,
             "comm/intra_worker_total_bytes": self._intra_bytes(),
@@ -399,7 +410,7 @@ class DiLoCo:
             "metric_bytes": self.metric_bytes,
             "seconds": [self.comm_seconds, self.outer_seconds, self.inner_seconds, self.blocked_seconds],
             "intra_ddp_bytes": self._ddp_bytes(),
-            "averager": self.averager.state_dict(),  # int8/int4: the error-feedback residuals
+            "averager": self.averager.state_dict(),  # int8/int4/topk2: the error-feedback residuals
             "peak_bytes": self.peak_bytes,
             "in_flight": [
                 [j.apply_at, j.fragment, {b: g.cpu() for b, g in j.wait().items()}, j.metrics]

@@ -156,11 +156,13 @@ class DiLoCoConfig:
     outer_lr: float = 0.7  # outer SGD learning rate (DiLoCo's robust choice)
     outer_momentum: float = 0.9  # outer Nesterov momentum, in [0, 1)
     nesterov: bool = True  # Nesterov momentum in the outer SGD (ignored when outer_momentum is 0)
-    pseudo_grad_dtype: str = (
-        "float32"  # on the wire: float32 | float16 | bfloat16 | int8 | int4 (diloco.quant)
-    )
-    error_feedback: Optional[bool] = None  # int8/int4: carry what quantization lost into the next round
+    # on the wire: float32 | float16 | bfloat16 | int8 | int4 (diloco.quant) | topk2 (diloco.sparse)
+    pseudo_grad_dtype: str = "float32"
+    # int8/int4/topk2: carry what quantization lost into the next round (topk2: always; false is refused)
+    error_feedback: Optional[bool] = None
     quant_block_size: int = 256  # int8/int4: elements per bfloat16 scale
+    topk_density: float = 0.015625  # topk2: the fraction of each chunk sent (SparseLoCo's 64 of 4,096)
+    topk_chunk: int = 4096  # topk2: values per chunk (at most 4,096: 12-bit in-chunk indices)
     fragments: int = 1  # Streaming DiLoCo's P: fragment f syncs every H steps at offset (f+1)H/P
     overlap_steps: int = 0  # tau: a fragment's outer step is applied tau inner steps after its sync
     fragment_alpha: float = 0.0  # after the outer step: local <- alpha * local + (1 - alpha) * global

@@ -1,0 +1,220 @@
+"""Top-k 2-bit pseudo-gradients (diloco.sparse, `pseudo_grad_dtype: topk2`): a payload worked out by hand,
+the kept set and levels against a by-hand selection, the bytes on the wire, every worker getting the same
+mean bit for bit, error feedback losing nothing, exact resume, and bad settings as one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_comm import run_threads
+from test_diloco import TinyModel, diloco_for
+from trainer_utils import compose_cfg, final_weights, read_metrics, train
+
+from diloco import checkpoint
+from diloco.comm import SoloCollective
+from diloco.config import ConfigError, validate
+from diloco.sparse import TopKAverager, decode, encode, num_chunks, payload_bytes, topk_count
+
+
+def test_a_tiny_vector_encodes_to_the_bytes_worked_out_by_hand():
+    """Chunks of 4, k = 2. Chunk 0 [0.5, -3, 0.1, 2] keeps -3 (hi: 3) and 2 (lo: 2); chunk 1
+    [-0.2, 1, 0, -0.05] keeps 1 (hi: 1) and -0.2 (lo: bfloat16(0.2) = 0.2002). Codes (bit 0 sign,
+    bit 1 hi) in order of magnitude: 3, 0 and 2, 1; indices (1, 3) and (1, 0) in 12 bits each."""
+    x = torch.tensor([0.5, -3.0, 0.1, 2.0, -0.2, 1.0, 0.0, -0.05])
+    payload = encode(x, chunk=4, k=2)
+    codes = [3 | 0 << 2, 2 | 1 << 2]
+    indices = [1, 0 | 3 << 4, 0, 1, 0, 0]
+    scales = [0x00, 0x40, 0x40, 0x40, 0x4D, 0x3E, 0x80, 0x3F]  # bf16 2.0, 3.0, 0.2002, 1.0 (little end)
+    assert payload.tolist() == codes + indices + scales
+    assert payload.numel() == payload_bytes(8, 4, 2) == 2 * (1 + 3 + 4)
+    lo = torch.tensor(0.2).to(torch.bfloat16).float().item()
+    assert decode(payload, 8, 4, 2).tolist() == [0.0, -3.0, 0.0, 2.0, -lo, 1.0, 0.0, 0.0]
+
+
+def _by_hand(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
+    """Per chunk (the last one zero-padded): the k largest magnitudes, the larger ceil(k/2) at the mean
+    of theirs, the rest at the mean of theirs (each rounded to bfloat16), with their signs."""
+    n = x.numel()
+    x = torch.cat([x, torch.zeros(num_chunks(n, chunk) * chunk - n)])
+    out = torch.zeros_like(x)
+    h = -(-k // 2)
+    for lo in range(0, x.numel(), chunk):
+        part = x[lo : lo + chunk]
+        order = sorted(range(part.numel()), key=lambda i: -abs(float(part[i])))[:k]
+        mags = part[order].abs()
+        hi_level = mags[:h].mean().to(torch.bfloat16).float()
+        lo_level = mags[h:].mean().to(torch.bfloat16).float() if k > h else torch.tensor(0.0)
+        for rank, i in enumerate(order):
+            out[lo + i] = torch.copysign(hi_level if rank < h else lo_level, part[i])
+    return out[:n]
+
+
+@pytest.mark.parametrize("n,chunk,k", [(50, 16, 5), (1000, 64, 4), (9000, 4096, 64), (7, 4096, 64)])
+def test_decoding_gives_the_top_k_of_every_chunk_at_its_two_levels(n, chunk, k):
+    """An odd k (packing pads), a tail chunk, a bucket smaller than k (the padding's zeros are kept)."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+    payload = encode(x, chunk, k)
+    assert payload.dtype == torch.uint8 and payload.numel() == payload_bytes(n, chunk, k)
+    assert torch.equal(decode(payload, n, chunk, k), _by_hand(x, chunk, k))
+
+
+def test_bits_per_parameter_follow_the_formula_and_stay_under_half_a_bit():
+    k = topk_count(1 / 64, 4096)
+    assert k == 64 and payload_bytes(4096, 4096, k) == 16 + 96 + 4
+    for n in (262_464, 14_000_000, 4096 * 1000):
+        bits = 8 * payload_bytes(n, 4096, k) / n
+        assert bits == 8 * num_chunks(n, 4096) * 116 / n < 0.5
+    assert 8 * payload_bytes(4096 * 1000, 4096, k) / (4096 * 1000) == pytest.approx(0.2266, abs=1e-4)
+
+
+class Recording:
+    """A collective that keeps what every all-gather returned (the payloads of all workers)."""
+
+    def __init__(self, coll):
+        self.coll, self.size, self.rank, self.gathered = coll, coll.size, coll.rank, []
+
+    def all_gather(self, t, tag="other"):
+        out = self.coll.all_gather(t, tag=tag)
+        self.gathered.append(out.clone())
+        return out
+
+
+def test_four_workers_get_the_same_mean_bit_for_bit_the_mean_of_the_decoded_payloads():
+    w, n, chunk, k, rounds = 4, 3000, 256, 8, 3
+
+    def worker(r, coll):
+        rec = Recording(coll)
+        avg = TopKAverager(rec, density=k / chunk, chunk=chunk)
+        gen = torch.Generator().manual_seed(r)
+        outs = [avg.average_(torch.randn(n, generator=gen) * 1e-2, [1000, 2000]) for _ in range(rounds)]
+        return outs, rec.gathered, coll.sent
+
+    results = run_threads(w, worker)
+    for outs, gathered, sent in results:
+        for t, (out, rows) in enumerate(zip(outs, gathered)):
+            assert torch.equal(out, results[0][0][t])  # bit for bit on every worker
+            reference = sum(decode(row, n, chunk, k) for row in rows) / w  # rank order
+            assert torch.equal(out, reference)
+        assert sent == {"pseudo_grad_topk2": rounds * payload_bytes(n, chunk, k)}
+
+
+def test_error_feedback_loses_nothing_over_rounds():
+    """Sum over rounds of what one worker sent (its own decoded payload) + its final carry == the sum
+    of its pseudo-gradients; the carry's padding stays zero."""
+    n, chunk, k = 1000, 128, 4
+
+    def worker(r, coll):
+        rec = Recording(coll)
+        avg = TopKAverager(rec, density=k / chunk, chunk=chunk)
+        gen = torch.Generator().manual_seed(30 + r)
+        fed, sent = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+        for _ in range(6):
+            g = torch.randn(n, generator=gen) * 1e-2
+            fed += g.double()
+            avg.average_(g.clone(), [n])
+            sent += decode(rec.gathered[-1][r], n, chunk, k).double()
+        carry = avg.residuals[0]
+        assert carry.numel() == num_chunks(n, chunk) * chunk and not carry[n:].any()
+        return fed, sent + carry[:n].double()
+
+    for fed, accounted in run_threads(2, worker):
+        torch.testing.assert_close(accounted, fed, rtol=0, atol=1e-6)
+
+
+def test_error_feedback_delivers_a_constant_pseudo_gradient_over_rounds():
+    """A constant input at density 1/16: one round loses most of it, but the carry stays bounded (a few
+    times the input), so the mean of what arrived over T rounds tends to it (error ~ 1/T)."""
+    g = torch.randn(512, generator=torch.Generator().manual_seed(3)) * 1e-3
+    avg = TopKAverager(SoloCollective(), density=1 / 16, chunk=256)
+    arrived, errors = torch.zeros(512), {}
+    for t in range(1, 257):
+        arrived += avg.average_(g.clone(), [512])
+        errors[t] = float((arrived / t - g).norm() / g.norm())
+    assert errors[1] > 0.5
+    assert errors[256] < errors[64] / 2 and errors[256] < 0.05
+
+
+def test_diloco_workers_end_with_bit_identical_global_weights_and_log_bits_per_param():
+    w, chunk, k = 4, 8, 2  # TinyModel: 23 parameters in 3 chunks of 8
+    models = [TinyModel() for _ in range(w)]
+    gens = [torch.Generator().manual_seed(i) for i in range(w)]
+    moves = [[torch.randn(p.shape, generator=g) * 0.1 for p in m.parameters()] for g, m in zip(gens, models)]
+
+    def worker(i, coll):
+        opts = dict(pseudo_grad_dtype="topk2", topk_density=k / chunk, topk_chunk=chunk)
+        algo, _ = diloco_for(models[i], coll, **opts)
+        metrics = []
+        for _ in range(3):
+            with torch.no_grad():
+                for p, d in zip(models[i].parameters(), moves[i]):
+                    p.sub_(d)
+            metrics.append(algo.outer_step())
+        return [t.clone() for t in algo.global_params], metrics
+
+    results = run_threads(w, worker)
+    for params, metrics in results:
+        assert all(torch.equal(a, b) for a, b in zip(params, results[0][0]))
+        for m in metrics:
+            assert m["comm/bytes_topk2"] == m["comm/bytes"] == payload_bytes(23, chunk, k)
+            assert m["comm/bits_per_param"] == 8 * payload_bytes(23, chunk, k) / 23
+            assert 0 < m["comm/cast_rel_error"] < 1
+
+
+def test_the_carry_round_trips_through_the_diloco_state_dict(tmp_path):
+    model = TinyModel()
+    opts = dict(pseudo_grad_dtype="topk2", topk_density=0.25, topk_chunk=8)
+    algo, opt = diloco_for(model, SoloCollective(), **opts)
+    for step in range(1, 5):
+        model(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        algo.after_inner_step(step)
+    assert algo.averager.residuals and any(t.abs().sum() > 0 for t in algo.averager.residuals.values())
+    torch.save(algo.state_dict(), tmp_path / "s.pt")
+    other, _ = diloco_for(TinyModel(seed=1), SoloCollective(), **opts)
+    other.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+    assert other.averager.residuals.keys() == algo.averager.residuals.keys()
+    assert all(torch.equal(other.averager.residuals[k], t) for k, t in algo.averager.residuals.items())
+
+
+def test_resumed_topk2_run_equals_uninterrupted_bit_for_bit(tmp_path, stop=3):
+    """Stopped mid-round (H=2) and resumed: the carry comes back from the checkpoint."""
+    opts = ["distributed=diloco", "distributed.cosine_sample_size=0", "distributed.inner_steps=2"]
+    opts += ["distributed.pseudo_grad_dtype=topk2", "distributed.topk_chunk=1024"]
+    full = train(tmp_path, "train.max_steps=6", *opts, name="full")
+    part = train(tmp_path, f"train.max_steps={stop}", *opts, name="part")
+    train(tmp_path, "train.max_steps=6", *opts, name="part")
+    wf, wp = final_weights(full), final_weights(part)
+    assert all(torch.equal(wf[k], wp[k]) for k in wf)
+    sf = torch.load(checkpoint.latest(full) / "rank0.pt", weights_only=True)["strategy"]
+    residuals = sf["averager"]["residuals"]
+    assert residuals and all(t.abs().sum() > 0 for t in residuals.values())
+    rounds = [r for r in read_metrics(full) if "outer/round" in r]
+    assert rounds and all(0 < r["comm/cast_rel_error"] < 1 for r in rounds)
+    assert all(r["comm/bytes_topk2"] == r["comm/bytes"] for r in rounds)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["distributed.topk_density=0"], "topk_density must be a positive number"),
+        (["distributed.topk_density=1.5"], r"topk_density must be in \(0, 1\]"),
+        (["distributed.topk_chunk=0"], "topk_chunk must be an integer >= 1"),
+        (["distributed.topk_chunk=5000"], "topk_chunk must be an integer >= 1 and < 4097"),
+        (["distributed.topk_density=0.001", "distributed.topk_chunk=100"], "at least 1 value per chunk"),
+        (["distributed.pseudo_grad_dtype=topk2", "distributed.error_feedback=false"], "cannot go with"),
+        (["distributed.pseudo_grad_dtype=topk3"], "pseudo_grad_dtype must be .* int4 or topk2"),
+    ],
+)
+def test_bad_topk_settings_are_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(compose_cfg(["distributed=diloco", *overrides]))
+    assert "\n" not in str(err.value)
+
+
+def test_topk2_turns_error_feedback_on_and_the_experiment_validates():
+    c = validate(compose_cfg(["experiment=tiny/diloco_topk2"]))
+    assert c.distributed.pseudo_grad_dtype == "topk2" and c.distributed.error_feedback is True
+    assert c.distributed.topk_chunk == 4096 and topk_count(c.distributed.topk_density, 4096) == 64
+    algo, _ = diloco_for(TinyModel(), SoloCollective(), pseudo_grad_dtype="topk2")  # error_feedback None
+    assert isinstance(algo.averager, TopKAverager)
