@@ -98,6 +98,28 @@ def test_four_workers_get_the_same_mean_bit_for_bit_the_mean_of_the_decoded_payl
         assert sent == {"pseudo_grad_topk2": rounds * payload_bytes(n, chunk, k)}
 
 
+def test_median_normalisation_scales_each_contribution_to_the_median_norm():
+    """Worker r's pseudo-gradient is 10^r times larger: with topk_normalize median each decoded payload
+    is scaled to the (lower) median of their norms before the sum, the same on every worker."""
+    w, n, chunk, k = 4, 2000, 256, 8
+
+    def worker(r, coll):
+        rec = Recording(coll)
+        avg = TopKAverager(rec, density=k / chunk, chunk=chunk, normalize="median")
+        x = torch.randn(n, generator=torch.Generator().manual_seed(r)) * 10.0**r
+        return avg.average_(x, [n]), rec.gathered[0]
+
+    results = run_threads(w, worker)
+    decoded = [decode(row, n, chunk, k) for row in results[0][1]]
+    norms = torch.stack([torch.linalg.vector_norm(d) for d in decoded])
+    median = norms.sort().values[(w - 1) // 2]
+    reference = sum(d * (median / norm) for d, norm in zip(decoded, norms)) / w
+    for out, _ in results:
+        assert torch.equal(out, results[0][0])
+        torch.testing.assert_close(out, reference, rtol=1e-6, atol=0)
+    assert float(torch.linalg.vector_norm(out)) < float(median)  # the 1000x worker does not dominate
+
+
 def test_error_feedback_loses_nothing_over_rounds():
     """Sum over rounds of what one worker sent (its own decoded payload) + its final carry == the sum
     of its pseudo-gradients; the carry's padding stays zero."""
@@ -204,6 +226,7 @@ def test_resumed_topk2_run_equals_uninterrupted_bit_for_bit(tmp_path, stop=3):
         (["distributed.topk_density=0.001", "distributed.topk_chunk=100"], "at least 1 value per chunk"),
         (["distributed.pseudo_grad_dtype=topk2", "distributed.error_feedback=false"], "cannot go with"),
         (["distributed.pseudo_grad_dtype=topk3"], "pseudo_grad_dtype must be .* int4 or topk2"),
+        (["distributed.topk_normalize=mean"], "topk_normalize must be none or median"),
     ],
 )
 def test_bad_topk_settings_are_one_line(overrides, message):

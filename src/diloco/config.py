@@ -358,6 +358,7 @@ def _check_topk(d: Any) -> None:
     if d.topk_density > 1:
         raise ConfigError(f"distributed.topk_density must be in (0, 1], got {d.topk_density!r}")
     _number("distributed.topk_chunk", d.topk_chunk, 1, strict=False, integer=True, hi=4097)
+    _one_of("distributed.topk_normalize", d.topk_normalize, ("none", "median"))
     if d.pseudo_grad_dtype == "topk2" and d.error_feedback is False:
         raise ConfigError(
             "distributed.error_feedback=false cannot go with pseudo_grad_dtype topk2 "

@@ -139,6 +139,7 @@ class DiLoCo:
             "quant_block_size",
             "topk_density",
             "topk_chunk",
+            "topk_normalize",
             "fragments",
             "overlap_steps",
             "fragment_alpha",
@@ -173,6 +174,7 @@ class DiLoCo:
         quant_block_size: int = 256,
         topk_density: float = 1 / 64,
         topk_chunk: int = sparse.MAX_CHUNK,
+        topk_normalize: str = "none",
         fragments: int = 1,
         overlap_steps: int = 0,
         fragment_alpha: float = 0.0,
@@ -189,7 +191,7 @@ class DiLoCo:
             self.averager = quant.QuantizedAverager(cross, pseudo_grad_dtype, quant_block_size, ef)
         elif pseudo_grad_dtype == sparse.TOPK_DTYPE:  # top-k 2-bit values and indices, all-gathered
             ef = error_feedback is None or error_feedback
-            self.averager = sparse.TopKAverager(cross, topk_density, topk_chunk, ef)
+            self.averager = sparse.TopKAverager(cross, topk_density, topk_chunk, ef, topk_normalize)
         else:
             self.averager = comm.Averager(cross, pseudo_grad_dtype, fp16_scaling)
         self.buckets, self.fragments = fragment_buckets(list(model.parameters()), fragments, bucket_size_mb)

@@ -27,6 +27,11 @@ them in FP32 in rank order and divides by W: every worker computes the same oper
 so all get the same mean bit for bit. Each worker hands one payload to the all-gather (what `comm/bytes`
 counts; the network carries it to W-1 peers).
 
+With `topk_normalize: median` (SparseLoCo, Sec. 3) each worker's decoded contribution is scaled to the
+median over workers of their norms before the sum, so no single worker's large pseudo-gradient dominates
+the mean; the weights come from the gathered bytes, so they too are the same on every worker. Off by
+default. Error feedback still carries against what the worker itself sent, unscaled.
+
 Error feedback (EF-SGD, Karimireddy et al. 2019), always on: carry <- (carry + pseudo_grad) -
 decoded(own payload). The carry is one zero-padded FP32 bucket per worker, checkpointed, so resume stays
 exact. Over rounds nothing is lost: what was sent + the final carry = the sum of the inputs.
@@ -39,6 +44,7 @@ import torch
 from diloco.comm import CastStats, Collective
 
 TOPK_DTYPE = "topk2"
+NORMALIZE = ("none", "median")  # topk_normalize: SparseLoCo's median-norm normalisation, or none
 MAX_CHUNK = 4096  # in-chunk indices are 12 bits
 
 
@@ -155,13 +161,30 @@ def encode_(y: torch.Tensor, k: int, n: int, out: torch.Tensor | None = None):
     return out, (norm**2, err**2, int(under))
 
 
-def decode_add_(payload: torch.Tensor, chunk: int, k: int, out: torch.Tensor) -> torch.Tensor:
-    """out (FP32 [chunks * chunk], zero-padded like the encoded bucket) += the decoded payload."""
-    chunks = out.numel() // chunk
+def unpack(payload: torch.Tensor, chunks: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A payload's in-chunk indices (int64 [chunks, k]) and values (FP32 [chunks, k])."""
     codes, indices, scale_bytes = _sections(payload, chunks, k)
     scales = scale_bytes.clone().view(torch.bfloat16)  # clone: 2-byte aligned
-    vals = values(unpack_codes(codes, k), scales)
-    out.view(chunks, chunk).scatter_add_(1, unpack_indices(indices, k), vals)  # unique per chunk
+    return unpack_indices(indices, k), values(unpack_codes(codes, k), scales)
+
+
+def sent_norm(payload: torch.Tensor, n: int, chunk: int, k: int) -> torch.Tensor:
+    """||decode(payload)||, FP32 scalar: the L2 norm of the values a payload sends for its n values."""
+    idx, vals = unpack(payload, num_chunks(n, chunk), k)
+    real = idx + torch.arange(idx.shape[0], device=idx.device)[:, None] * chunk < n  # not the padding
+    return torch.linalg.vector_norm(vals * real)
+
+
+def decode_add_(
+    payload: torch.Tensor, chunk: int, k: int, out: torch.Tensor, weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out (FP32 [chunks * chunk], zero-padded like the encoded bucket) += the decoded payload (times
+    `weight`, an FP32 scalar, if given)."""
+    chunks = out.numel() // chunk
+    idx, vals = unpack(payload, chunks, k)
+    if weight is not None:
+        vals = vals * weight
+    out.view(chunks, chunk).scatter_add_(1, idx, vals)  # indices unique per chunk
     return out
 
 
@@ -188,7 +211,12 @@ class TopKAverager:
     feedback (module docstring). `key` names a bucket, for its carry."""
 
     def __init__(
-        self, coll: Collective, density: float = 1 / 64, chunk: int = MAX_CHUNK, error_feedback: bool = True
+        self,
+        coll: Collective,
+        density: float = 1 / 64,
+        chunk: int = MAX_CHUNK,
+        error_feedback: bool = True,
+        normalize: str = "none",
     ):
         if not 1 <= chunk <= MAX_CHUNK:
             raise ValueError(f"topk_chunk must be an integer in [1, {MAX_CHUNK}], got {chunk}")
@@ -196,8 +224,10 @@ class TopKAverager:
             raise ValueError(f"topk_density must be in (0, 1], got {density}")
         if not error_feedback:
             raise ValueError("pseudo_grad_dtype topk2 needs error_feedback (it drops most of every round)")
+        if normalize not in NORMALIZE:
+            raise ValueError(f"topk_normalize must be one of {NORMALIZE}, got {normalize!r}")
         self.coll, self.dtype, self.wire = coll, TOPK_DTYPE, torch.uint8
-        self.chunk, self.k = chunk, topk_count(density, chunk)
+        self.chunk, self.k, self.normalize = chunk, topk_count(density, chunk), normalize
         self.residuals: dict[int, torch.Tensor] = {}  # this worker's carry, per bucket (zero-padded)
         self.cast = CastStats()
 
@@ -219,10 +249,18 @@ class TopKAverager:
         c.sq_norm, c.sq_error, c.underflow = c.sq_norm + sq_norm, c.sq_error + sq_err, c.underflow + under
         c.numel += n
         gathered = self.coll.all_gather(payload, tag=f"pseudo_grad_{self.dtype}")  # [W, payload_bytes]
+        weights = self.weights(gathered, n) if self.normalize == "median" else [None] * len(gathered)
         total = torch.zeros_like(y)
-        for row in gathered:  # rank order: every member adds the same values in the same order
-            decode_add_(row, self.chunk, self.k, total)
+        for row, weight in zip(gathered, weights):  # rank order: every member adds the same in the same order
+            decode_add_(row, self.chunk, self.k, total, weight)
         return flat.copy_(total[:n]).div_(self.coll.size)
+
+    def weights(self, gathered: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """topk_normalize median: worker r's contribution times median_j ||sent_j|| / ||sent_r|| (the
+        lower median for an even W; a worker that sent zeros keeps weight 1)."""
+        norms = torch.stack([sent_norm(row, n, self.chunk, self.k) for row in gathered])
+        median = norms.median()
+        return list(torch.where(norms > 0, median / norms, torch.ones_like(norms)).unbind())
 
     def state_dict(self) -> dict:
         return {"residuals": {k: t.cpu() for k, t in self.residuals.items()}}
