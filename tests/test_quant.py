@@ -7,9 +7,9 @@ import pytest
 import torch
 from test_comm import run_threads
 from test_diloco import TinyModel, diloco_for
-from trainer_utils import final_weights, read_metrics, train
+from trainer_utils import read_metrics, resumed_equals_uninterrupted
 
-from diloco import checkpoint, quant_kernel
+from diloco import quant_kernel
 from diloco.quant import QuantizedAverager, dequantize, encode, payload_bytes, quantize
 
 
@@ -194,11 +194,18 @@ def test_error_feedback_makes_the_time_average_converge_to_the_float32_mean():
     assert with_ef < without / 8
 
 
-def test_residuals_round_trip_through_the_diloco_state_dict(tmp_path):
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(pseudo_grad_dtype="int4", quant_block_size=4),
+        dict(pseudo_grad_dtype="topk2", topk_density=0.25, topk_chunk=8),  # diloco.sparse's carry
+    ],
+)
+def test_residuals_round_trip_through_the_diloco_state_dict(tmp_path, opts):
     model = TinyModel()
     from diloco.comm import SoloCollective
 
-    algo, opt = diloco_for(model, SoloCollective(), pseudo_grad_dtype="int4", quant_block_size=4)
+    algo, opt = diloco_for(model, SoloCollective(), **opts)
     for step in range(1, 5):
         model(torch.randn(8, 4)).square().mean().backward()
         opt.step()
@@ -206,7 +213,7 @@ def test_residuals_round_trip_through_the_diloco_state_dict(tmp_path):
         algo.after_inner_step(step)
     assert algo.averager.residuals and any(t.abs().sum() > 0 for t in algo.averager.residuals.values())
     torch.save(algo.state_dict(), tmp_path / "s.pt")
-    other, _ = diloco_for(TinyModel(seed=1), SoloCollective(), pseudo_grad_dtype="int4", quant_block_size=4)
+    other, _ = diloco_for(TinyModel(seed=1), SoloCollective(), **opts)
     other.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
     assert other.averager.residuals.keys() == algo.averager.residuals.keys()
     assert all(torch.equal(other.averager.residuals[k], t) for k, t in algo.averager.residuals.items())
@@ -216,17 +223,12 @@ def test_resumed_int4_run_equals_uninterrupted_bit_for_bit(tmp_path, stop=3):
     """Stopped mid-round (H=2) and resumed: the residuals come back from the checkpoint."""
     opts = ["distributed=diloco", "distributed.cosine_sample_size=0", "distributed.inner_steps=2"]
     opts += ["distributed.pseudo_grad_dtype=int4", "distributed.quant_block_size=64"]
-    full = train(tmp_path, "train.max_steps=6", *opts, name="full")
-    part = train(tmp_path, f"train.max_steps={stop}", *opts, name="part")
-    train(tmp_path, "train.max_steps=6", *opts, name="part")
-    wf, wp = final_weights(full), final_weights(part)
-    assert all(torch.equal(wf[k], wp[k]) for k in wf)
-    sf = torch.load(checkpoint.latest(full) / "rank0.pt", weights_only=True)["strategy"]
+    sf = resumed_equals_uninterrupted(tmp_path, opts, stop)
     residuals = sf["averager"]["residuals"]
     assert residuals and all(t.abs().sum() > 0 for t in residuals.values())
     # one worker: its mean is its own decoded codes, which quantize to themselves (nothing more lost)
     assert sf["averager"]["mean_residuals"].keys() == residuals.keys()
-    rounds = [r for r in read_metrics(full) if "outer/round" in r]
+    rounds = [r for r in read_metrics(tmp_path / "full") if "outer/round" in r]
     assert all(0 < r["comm/cast_rel_error"] < 0.5 for r in rounds)
     assert all(r["comm/bytes_int4"] == r["comm/bytes"] for r in rounds)
 

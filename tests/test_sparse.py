@@ -1,6 +1,7 @@
 """Top-k 2-bit pseudo-gradients (diloco.sparse, `pseudo_grad_dtype: topk2`): a payload worked out by hand,
 the kept set and levels against a by-hand selection, the bytes on the wire, every worker getting the same
-mean bit for bit, error feedback losing nothing, exact resume, and bad settings as one line."""
+mean bit for bit, error feedback losing nothing, exact resume, and bad settings as one line. (The carry's
+round trip through DiLoCo's state dict is test_quant's, parametrized over int4 and topk2.)"""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ import pytest
 import torch
 from test_comm import run_threads
 from test_diloco import TinyModel, diloco_for
-from trainer_utils import compose_cfg, final_weights, read_metrics, train
+from trainer_utils import compose_cfg, read_metrics, resumed_equals_uninterrupted
 
-from diloco import checkpoint
 from diloco.comm import SoloCollective
 from diloco.config import ConfigError, validate
 from diloco.sparse import TopKAverager, decode, encode, num_chunks, payload_bytes, topk_count
@@ -182,36 +182,14 @@ def test_diloco_workers_end_with_bit_identical_global_weights_and_log_bits_per_p
             assert 0 < m["comm/cast_rel_error"] < 1
 
 
-def test_the_carry_round_trips_through_the_diloco_state_dict(tmp_path):
-    model = TinyModel()
-    opts = dict(pseudo_grad_dtype="topk2", topk_density=0.25, topk_chunk=8)
-    algo, opt = diloco_for(model, SoloCollective(), **opts)
-    for step in range(1, 5):
-        model(torch.randn(8, 4)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        algo.after_inner_step(step)
-    assert algo.averager.residuals and any(t.abs().sum() > 0 for t in algo.averager.residuals.values())
-    torch.save(algo.state_dict(), tmp_path / "s.pt")
-    other, _ = diloco_for(TinyModel(seed=1), SoloCollective(), **opts)
-    other.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
-    assert other.averager.residuals.keys() == algo.averager.residuals.keys()
-    assert all(torch.equal(other.averager.residuals[k], t) for k, t in algo.averager.residuals.items())
-
-
 def test_resumed_topk2_run_equals_uninterrupted_bit_for_bit(tmp_path, stop=3):
     """Stopped mid-round (H=2) and resumed: the carry comes back from the checkpoint."""
     opts = ["distributed=diloco", "distributed.cosine_sample_size=0", "distributed.inner_steps=2"]
     opts += ["distributed.pseudo_grad_dtype=topk2", "distributed.topk_chunk=1024"]
-    full = train(tmp_path, "train.max_steps=6", *opts, name="full")
-    part = train(tmp_path, f"train.max_steps={stop}", *opts, name="part")
-    train(tmp_path, "train.max_steps=6", *opts, name="part")
-    wf, wp = final_weights(full), final_weights(part)
-    assert all(torch.equal(wf[k], wp[k]) for k in wf)
-    sf = torch.load(checkpoint.latest(full) / "rank0.pt", weights_only=True)["strategy"]
+    sf = resumed_equals_uninterrupted(tmp_path, opts, stop)
     residuals = sf["averager"]["residuals"]
     assert residuals and all(t.abs().sum() > 0 for t in residuals.values())
-    rounds = [r for r in read_metrics(full) if "outer/round" in r]
+    rounds = [r for r in read_metrics(tmp_path / "full") if "outer/round" in r]
     assert rounds and all(0 < r["comm/cast_rel_error"] < 1 for r in rounds)
     assert all(r["comm/bytes_topk2"] == r["comm/bytes"] for r in rounds)
 

@@ -57,3 +57,18 @@ def final_weights(run_dir: Path) -> dict:
 
     ckpt = checkpoint.latest(run_dir)
     return torch.load(ckpt / "rank0.pt", map_location="cpu", weights_only=True)["model"]
+
+
+def resumed_equals_uninterrupted(tmp_path: Path, opts: list[str], stop: int, steps: int = 6) -> dict:
+    """Trains `steps` steps in one go and, in a second run, `stop` steps then resumed to `steps`; asserts
+    the final weights are equal bit for bit and returns the uninterrupted run's strategy state (rank 0)."""
+    import torch
+
+    from diloco import checkpoint
+
+    full = train(tmp_path, f"train.max_steps={steps}", *opts, name="full")
+    part = train(tmp_path, f"train.max_steps={stop}", *opts, name="part")
+    train(tmp_path, f"train.max_steps={steps}", *opts, name="part")
+    wf, wp = final_weights(full), final_weights(part)
+    assert all(torch.equal(wf[k], wp[k]) for k in wf)
+    return torch.load(checkpoint.latest(full) / "rank0.pt", weights_only=True)["strategy"]
