@@ -237,8 +237,8 @@ def main(argv=None) -> int:
     }
     record = {
         "name": "aggregation",
-        "date": bc._dt.datetime.now(bc._dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", *[bc._rel(a) for a in sys.argv]]),
+        "date": bc.utc_now(),
+        "command": bc.command_line(),
         "bench_commit": bc.commit(),
         "diloco_source": str(Path(diloco.__file__).parent),
         "machine": started,

@@ -125,7 +125,7 @@ def provenance(command: str) -> dict:
     """What a results record starts with: the command, when, the machine, and the commit it was written at."""
     return {
         "command": command,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": utc_now(),
         "machine": machine(),
         "report_commit": commit(),
     }
@@ -255,8 +255,8 @@ def write(
     record = {
         "name": name,
         "title": title,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", *[_rel(a) for a in sys.argv]]),
+        "date": utc_now(),
+        "command": command_line(),
         "commit": commit(),
         "machine": machine(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -295,6 +295,17 @@ def write_labelled(out: str | Path, name: str, label: str, record: dict, report)
     path.write_text(json.dumps({"name": name, "runs": runs}, indent=1) + "\n")
     (out / f"{name}.md").write_text(report(runs))
     return runs
+
+
+def utc_now() -> str:
+    """When a record was written: UTC, to the second (ISO 8601)."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def command_line() -> str:
+    """This process's command as a record states it: `python` and its arguments, paths in the repository
+    relative to its root."""
+    return " ".join(["python", *[_rel(a) for a in sys.argv]])
 
 
 def _rel(a: str) -> str:

@@ -200,8 +200,8 @@ def main(argv=None) -> int:
             rows.append(json.loads(out.strip().splitlines()[-1]))
             print(rows[-1])
     record = {
-        "date": bc._dt.datetime.now(bc._dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python", *[bc._rel(a) for a in sys.argv]]),
+        "date": bc.utc_now(),
+        "command": bc.command_line(),
         "bench_commit": bc.commit(),
         "code_commit": args.code_commit or bc.commit(),
         "diloco_source": str(Path(diloco.__file__).parent),

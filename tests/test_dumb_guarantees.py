@@ -66,6 +66,7 @@ def test_the_master_keeps_aggregating_until_every_nodes_final_delta_is_applied(t
     assert json.loads(repo.read(LEASE_PATH))["released"]
     # and the model evaluated at the end holds the global with both deltas (outer lr 1, no momentum)
     assert torch.allclose(coord.model.w.detach(), W0 - 3.0, atol=1e-6)
+    coord.close()  # finish() does not close (the trainer closes last)
 
 
 def test_a_node_without_a_final_marker_is_named_once_drain_timeout_passed(tmp_path, caplog):
@@ -75,6 +76,7 @@ def test_a_node_without_a_final_marker_is_named_once_drain_timeout_passed(tmp_pa
     assert ("slow", 3) in {(e.node_id, e.local_step) for e in coord.outer.state.ledger.entries()}
     left = coord.summary()["dumb_diloco/final_left"]
     assert left.startswith("slow (not finished yet") and "stopped after drain_timeout 0.3s" in caplog.text
+    coord.close()
 
 
 def test_a_worker_uploads_its_tail_and_says_whether_the_master_applied_it(tmp_path):
@@ -97,6 +99,7 @@ def test_a_worker_uploads_its_tail_and_says_whether_the_master_applied_it(tmp_pa
     assert json.loads(spy.inner.read(final_marker_path("w1")))["last_local_step"] == 4
     assert coord.final_status.startswith("applied at outer step") and rounds
     assert coord.summary()["dumb_diloco/final_delta"] == coord.final_status
+    coord.close()
 
 
 # ------------------------------------------------------------------ 2. fencing: one master process
@@ -203,3 +206,4 @@ def test_a_quorum_does_not_hold_back_the_last_deltas_once_every_node_finished(tm
     coord.finish()  # the master's own marker too: nothing more can come, so the pending delta is applied
     assert [(e.node_id, e.status) for e in coord.outer.state.ledger.entries()] == [("w", "applied")]
     assert coord.outer.unfinished == {} and "stopped after drain_timeout" not in caplog.text
+    coord.close()

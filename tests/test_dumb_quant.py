@@ -440,3 +440,5 @@ def test_a_master_and_a_worker_with_int4_deltas_apply_every_delta(tmp_path):
     assert len(files) == 8
     assert {parse_header(repo.read(f.path)).metadata["dtype"] for f in files} == {"int4"}
     assert node.bytes_uploaded == sum(f.size for f in files if f.path.startswith("nodes/w1/"))
+    node.close()  # finish() does not close (the trainer closes last)
+    master.close()

@@ -542,13 +542,13 @@ class DumbDiLoCo:
         """End of training (ending.py): the last delta and the final marker (within shutdown_timeout); on a
         worker, what the master did with that delta (within the same deadline); on the master, rounds until
         every node's final delta is processed (within drain_timeout), whose global is installed for the
-        final evaluation. True when the model changed."""
+        final evaluation. True when the model changed. It does not close: the trainer calls `close` last,
+        after the final evaluation, checkpoint and summary (the order of src/diloco/strategy.py)."""
         end, bound = self.clock() + self.s.shutdown_timeout, time.monotonic() + self.s.shutdown_timeout
         with deadline(bound, "shutdown"):  # the Hub's retries included
             self.send_final(end)
         if self.master is not None:
             self.master.stop(self.s.drain_timeout)
-        self.close()
         if self.outer is None:
             with deadline(bound, "shutdown"):
                 identity = (self.s.node_id, *self.last_uploaded) if self.last_uploaded else None
