@@ -40,11 +40,11 @@ import bench_common as bc
 import torch
 
 import diloco
-from diloco.dumb_diloco.master import OuterLoop
-from diloco.dumb_diloco.recovery import MasterState
-from diloco.dumb_diloco.repo_paths import delta_path
-from diloco.dumb_diloco.tensor_format import DeltaMeta, encode, parse_header
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.master.loop import OuterLoop
+from diloco.dumb_diloco.master.recovery import MasterState
+from diloco.dumb_diloco.store.transport import DirectoryTransport
+from diloco.dumb_diloco.wire.repo_paths import delta_path
+from diloco.dumb_diloco.wire.tensor_format import DeltaMeta, encode, parse_header
 
 TARGET = 2.0
 NODES = 8

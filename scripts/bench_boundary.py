@@ -1,6 +1,6 @@
 """Benchmark 2 (issue #7): how long DumbDiLoCo blocks the training thread at an inner boundary.
 
-A worker node (`diloco.dumb_diloco.strategy.DumbDiLoCo`, the project's own code) on a shared-
+A worker node (`diloco.dumb_diloco.node.strategy.DumbDiLoCo`, the project's own code) on a shared-
 directory repository whose first global was published by a master (then stopped, so no new global
 arrives and nothing is installed: the boundary is snapshot, delta, enqueue). Its transport sits behind
 a link throttled to 10 MB/s or unlimited (`bench_common.ThrottledTransport`). Each measured boundary
@@ -31,10 +31,10 @@ from pathlib import Path
 import bench_common as bc
 import torch
 
-from diloco.dumb_diloco import strategy as node_mod
+from diloco.dumb_diloco.node import strategy as node_mod
+from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import Settings
-from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.store.transport import DirectoryTransport
 
 TARGET = 1.5
 MB = 1e6

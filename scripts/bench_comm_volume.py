@@ -138,7 +138,7 @@ def measured_dumb(out: Path, h: int, rounds: int) -> dict:
 
 
 def _measured_dumb(out: Path, h: int, rounds: int) -> dict:
-    from diloco.dumb_diloco.transport import DirectoryTransport
+    from diloco.dumb_diloco.store.transport import DirectoryTransport
     from diloco.train import run
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -179,8 +179,8 @@ def _measured_dumb(out: Path, h: int, rounds: int) -> dict:
 
 
 def encoded_sizes() -> dict:
-    from diloco.dumb_diloco import tensor_format as tf
-    from diloco.dumb_diloco.aggregation import pseudo_gradient
+    from diloco.dumb_diloco.master.aggregation import pseudo_gradient
+    from diloco.dumb_diloco.wire import tensor_format as tf
     from diloco.model import build_model
 
     sys.path.insert(0, str(Path(__file__).parent))

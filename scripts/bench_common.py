@@ -338,7 +338,7 @@ def human_bytes(n: float) -> str:
 
 
 class ThrottledTransport:
-    """A `diloco.dumb_diloco.transport.Transport` behind a link of `bytes_per_s` (None: unlimited).
+    """A `diloco.dumb_diloco.store.transport.Transport` behind a link of `bytes_per_s` (None: unlimited).
 
     Every read and write of a file first waits size / bytes_per_s, one transfer at a time per
     direction (a full-duplex link), then delegates to `inner`. Listing and revisions are free (they

@@ -42,9 +42,9 @@ import bench_common as bc
 import torch
 
 import diloco
+from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import Settings
-from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.store.transport import DirectoryTransport
 
 TARGET = 3.0
 H = 4

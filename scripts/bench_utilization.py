@@ -167,10 +167,10 @@ def dumb_builder(bytes_per_s: float, repo: Path, state_dir: Path, h: int, poll: 
     """build_strategy for distributed=dumb_diloco (worker) whose transport is behind a slow link; a
     master (outer loop only, no training) is started first in this process with its own link."""
     import diloco.train as train_mod
-    from diloco.dumb_diloco import startup
+    from diloco.dumb_diloco.node import joiner
+    from diloco.dumb_diloco.node.strategy import DumbDiLoCo
     from diloco.dumb_diloco.settings import Settings
-    from diloco.dumb_diloco.strategy import DumbDiLoCo
-    from diloco.dumb_diloco.transport import DirectoryTransport
+    from diloco.dumb_diloco.store.transport import DirectoryTransport
     from diloco.model import build_model
 
     original = train_mod.build_strategy
@@ -185,12 +185,12 @@ def dumb_builder(bytes_per_s: float, repo: Path, state_dir: Path, h: int, poll: 
         master = DumbDiLoCo(build_model(cfg.model, seed=cfg.seed), settings, link)
         master.start()
         box["master"] = master
-        real_open = startup.open_transport
-        startup.open_transport = lambda *a, **k: bc.ThrottledTransport(real_open(*a, **k), bytes_per_s)
+        real_open = joiner.open_transport
+        joiner.open_transport = lambda *a, **k: bc.ThrottledTransport(real_open(*a, **k), bytes_per_s)
         try:
             return original(cfg, ctx, model, optimizer, typed_cfg)
         finally:
-            startup.open_transport = real_open
+            joiner.open_transport = real_open
 
     return build, box
 

@@ -28,10 +28,10 @@ from pathlib import Path
 import bench_common as bc
 import torch
 
-from diloco.dumb_diloco import tensor_format as tf
-from diloco.dumb_diloco.aggregation import pseudo_gradient
-from diloco.dumb_diloco.repo_paths import delta_path
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.master.aggregation import pseudo_gradient
+from diloco.dumb_diloco.store.transport import DirectoryTransport
+from diloco.dumb_diloco.wire import tensor_format as tf
+from diloco.dumb_diloco.wire.repo_paths import delta_path
 
 
 def model_shapes(name: str) -> dict[str, tuple[int, ...]]:
@@ -159,7 +159,7 @@ def hub_header_check(delta32: dict, tmp: Path) -> dict:
         sys.path.insert(0, str(bc.ROOT / "tests"))
     from hub_server import HubServer
 
-    from diloco.dumb_diloco.transport import HubTransport
+    from diloco.dumb_diloco.store.transport import HubTransport
 
     meta = tf.DeltaMeta(node_id="bench", local_step=500, base_outer_step=1).to_header()
     blob = tf.encode(delta32, meta)

@@ -1,5 +1,5 @@
 """How a DumbDiLoCo node installs a global, measured (issue 12): `replace` (the specification) against
-`translate` (src/diloco/dumb_diloco/install.py), and how soon after the master's round the install comes.
+`translate` (src/diloco/dumb_diloco/node/install.py), and how soon after the master's round the install comes.
 
 Four nodes (the project's own DumbDiLoCo nodes and OuterLoop over a shared directory) train the micro
 model in one process, in lock step, each on its own shard of the bundled sample: H=10, AdamW lr 3e-3
@@ -45,11 +45,11 @@ from hydra import compose, initialize_config_dir
 from transformers import get_cosine_schedule_with_warmup
 
 from diloco.data import SequenceStream, eval_batches, load_tokenizer
-from diloco.dumb_diloco.master import OuterLoop
-from diloco.dumb_diloco.recovery import MasterState
+from diloco.dumb_diloco.master.loop import OuterLoop
+from diloco.dumb_diloco.master.recovery import MasterState
+from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import Settings
-from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.store.transport import DirectoryTransport
 from diloco.model import build_model
 from diloco.train import evaluate
 

@@ -22,9 +22,9 @@ from hydra import compose, initialize_config_dir
 from transformers import get_cosine_schedule_with_warmup
 
 from diloco.data import SequenceStream, eval_batches, load_tokenizer
+from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import Settings
-from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.store.transport import DirectoryTransport
 from diloco.model import build_model
 from diloco.train import evaluate
 

@@ -8,7 +8,7 @@ Communication volume is analytic and counts the payload each worker puts on the 
 (what `comm/total_bytes` measures): DDP all-reduces every gradient every step; DiLoCo all-reduces the
 pseudo-gradient once every H steps in its wire dtype; a DumbDiLoCo node uploads one float32 delta per
 boundary and downloads one float32 global model per outer step. The commit budget of a DumbDiLoCo
-run (commits per hour to its repository, by writer: dumb_diloco/budget.py) is printed too; a Hub run
+run (commits per hour to its repository, by writer: dumb_diloco/store/budget.py) is printed too; a Hub run
 over the Hub's limit is refused.
 """
 
@@ -66,7 +66,7 @@ def check_run(overrides: list[str]) -> str | None:
     (the same `validate`, and the batch split over the ranks the launch gives each worker); returns
     the trainer's notice about the schedule, if any. Raises PlanError with the trainer's line."""
     from diloco.config import ConfigError, check_batch_split, schedule_notice, validate
-    from diloco.dumb_diloco.budget import config_budget, on_hub
+    from diloco.dumb_diloco.store.budget import config_budget, on_hub
 
     cfg = compose_overrides(overrides)
     topo = topology(cfg)
@@ -195,7 +195,7 @@ def shell_vars(name: str, overrides: list[str]) -> str:
 def commit_budget_line(cfg: DictConfig) -> str:
     """The Hub commit budget of a DumbDiLoCo config, as one line (a warning appended above 100/hour);
     PlanError for a Hub repository (or none given yet) over the Hub's limit."""
-    from diloco.dumb_diloco.budget import config_budget, on_hub
+    from diloco.dumb_diloco.store.budget import config_budget, on_hub
 
     budget = config_budget(cfg)
     if budget is None:

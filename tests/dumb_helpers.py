@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from diloco.dumb_diloco.master import OuterLoop
-from diloco.dumb_diloco.recovery import MasterState
-from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, delta_path
+from diloco.dumb_diloco.master.loop import OuterLoop
+from diloco.dumb_diloco.master.recovery import MasterState
+from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import Settings
-from diloco.dumb_diloco.store import Transport
-from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.tensor_format import DeltaMeta, encode, parse_header
-from diloco.dumb_diloco.transport import DirectoryTransport, TransientError
+from diloco.dumb_diloco.store.base import Transport
+from diloco.dumb_diloco.store.transport import DirectoryTransport, TransientError
+from diloco.dumb_diloco.wire.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, delta_path
+from diloco.dumb_diloco.wire.tensor_format import DeltaMeta, encode, parse_header
 
 LR, MU = 0.7, 0.9  # the spec's outer optimizer
 W0 = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # Tiny's initial weights

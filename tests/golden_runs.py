@@ -194,8 +194,8 @@ def dumb_diloco_run(tmp_path: Path, worker_settings: dict) -> dict:
     """A master (its outer loop) and one worker over a shared directory, driven in a fixed order."""
     from dumb_helpers import FakeClock, make_loop, settings
 
-    from diloco.dumb_diloco.strategy import DumbDiLoCo
-    from diloco.dumb_diloco.transport import DirectoryTransport
+    from diloco.dumb_diloco.node.strategy import DumbDiLoCo
+    from diloco.dumb_diloco.store.transport import DirectoryTransport
 
     repo = DirectoryTransport(tmp_path / "repo")
     master_model, model = micro_models(2)

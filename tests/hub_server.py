@@ -1,7 +1,7 @@
 """A loopback Hugging Face Hub for tests: the real `huggingface_hub` client talks to it over HTTP.
 
 It implements ONLY the subset of the Hub's HTTP API that `huggingface_hub` 2.4 uses for the calls
-`diloco.dumb_diloco.transport.HubTransport` makes (and `hf_hub_download`) on model repos, and the
+`diloco.dumb_diloco.store.transport.HubTransport` makes (and `hf_hub_download`) on model repos, and the
 read-only subset `datasets.load_dataset(..., streaming=True)` uses on dataset repos (`create_dataset`):
 
 =========================================================  =======================================

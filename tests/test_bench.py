@@ -132,7 +132,7 @@ def test_boundary(tmp_path):
 def test_throttled_transport_takes_size_over_bandwidth(tmp_path):
     import time
 
-    from diloco.dumb_diloco.transport import DirectoryTransport
+    from diloco.dumb_diloco.store.transport import DirectoryTransport
 
     common = load("bench_common")
     t = common.ThrottledTransport(DirectoryTransport(tmp_path / "repo"), bytes_per_s=1e6)

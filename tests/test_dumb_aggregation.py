@@ -13,12 +13,12 @@ import pytest
 import torch
 from dumb_helpers import Spy, make_loop, put_delta
 
-from diloco.dumb_diloco.aggregation import RunningSum, average
-from diloco.dumb_diloco.master import OuterLoop
-from diloco.dumb_diloco.recovery import MasterState
-from diloco.dumb_diloco.repo_paths import delta_path
-from diloco.dumb_diloco.tensor_format import InvalidTensorFile, decode, encode
-from diloco.dumb_diloco.transport import DirectoryTransport, ReadsInto
+from diloco.dumb_diloco.master.aggregation import RunningSum, average
+from diloco.dumb_diloco.master.loop import OuterLoop
+from diloco.dumb_diloco.master.recovery import MasterState
+from diloco.dumb_diloco.store.transport import DirectoryTransport, ReadsInto
+from diloco.dumb_diloco.wire.repo_paths import delta_path
+from diloco.dumb_diloco.wire.tensor_format import InvalidTensorFile, decode, encode
 
 pytestmark = pytest.mark.usefixtures("no_network")
 

@@ -1,4 +1,4 @@
-"""The Hub commit budget of a DumbDiLoCo run (dumb_diloco/budget.py; docs/dumb_diloco.md "Hub budget"):
+"""The Hub commit budget of a DumbDiLoCo run (dumb_diloco/store/budget.py; docs/dumb_diloco.md "Hub budget"):
 commits per hour to one repository, by writer, worked out by hand; the paper configs under 100/hour;
 a Hub plan over the Hub's 128/hour refused in one line before anything is built; the ledger folded
 into the lease heartbeat. The old check counted node uploads only (no publications, lease or ledger)."""
@@ -12,9 +12,15 @@ import pytest
 from dumb_helpers import Spy, make_loop, settings
 
 from diloco.config import ConfigError, validate
-from diloco.dumb_diloco.budget import CommitBudget, PaceCheck, commit_budget, config_budget, pace_warning
-from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, LEASE_PATH
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.master.recovery import GLOBAL_LEDGER_PATH, LEASE_PATH
+from diloco.dumb_diloco.store.budget import (
+    CommitBudget,
+    PaceCheck,
+    commit_budget,
+    config_budget,
+    pace_warning,
+)
+from diloco.dumb_diloco.store.transport import DirectoryTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from plan import PlanError, check_run, commit_budget_line, compose_experiment  # noqa: E402

@@ -17,11 +17,11 @@ from trainer_utils import compose_cfg, read_metrics, train
 
 from diloco.config import ConfigError, validate
 from diloco.distributed import DistContext, LocalTraining
-from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH
+from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import Settings
-from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.tensor_format import decode
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.store.transport import DirectoryTransport
+from diloco.dumb_diloco.wire.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH
+from diloco.dumb_diloco.wire.tensor_format import decode
 
 pytestmark = pytest.mark.usefixtures("no_network")
 
@@ -148,7 +148,7 @@ def test_single_role_or_disabled_trains_like_distributed_none(tmp_path, change):
 def test_a_node_of_two_ranks_has_one_dumb_diloco_on_its_rank_0(tmp_path):
     """Under torchrun a node is DDP over its ranks; only rank 0 holds the node that talks to the store
     (tests/test_dumb_ranks.py runs such nodes)."""
-    from diloco.dumb_diloco.ranks import NodeRanks
+    from diloco.dumb_diloco.node.ranks import NodeRanks
 
     cfg = compose_cfg(
         ["distributed=dumb_diloco", "distributed.node_id=n", f"distributed.repo_id={tmp_path}/r"]

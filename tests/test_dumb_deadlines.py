@@ -20,7 +20,7 @@ from pathlib import Path
 import huggingface_hub.utils
 import pytest
 
-from diloco.dumb_diloco.transport import HubTransport, RetryPolicy, TransientError, deadline, time_left
+from diloco.dumb_diloco.store.transport import HubTransport, RetryPolicy, TransientError, deadline, time_left
 
 pytestmark = pytest.mark.usefixtures("no_network")
 

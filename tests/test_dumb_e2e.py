@@ -30,9 +30,9 @@ import torch
 from mp_utils import wait_for_nodes
 from trainer_utils import compose_cfg
 
-from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, parse_delta_path
-from diloco.dumb_diloco.tensor_format import decode
-from diloco.dumb_diloco.transport import DirectoryTransport, HubTransport
+from diloco.dumb_diloco.store.transport import DirectoryTransport, HubTransport
+from diloco.dumb_diloco.wire.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, parse_delta_path
+from diloco.dumb_diloco.wire.tensor_format import decode
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_network")]
 
@@ -223,7 +223,7 @@ def _wait_for(pred, what: str) -> None:
 
 
 def _published_step(transport) -> int:
-    from diloco.dumb_diloco.transport import RemoteNotFound
+    from diloco.dumb_diloco.store.transport import RemoteNotFound
 
     try:
         return json.loads(transport.read(GLOBAL_STEP_PATH))["outer_step"]
@@ -235,7 +235,7 @@ def _run_node(rendezvous: Path, overrides: list[str]) -> None:
     """`python -m diloco.train <overrides>`, with the module docstring's rendezvous."""
     import runpy
 
-    from diloco.dumb_diloco.strategy import DumbDiLoCo
+    from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 
     on_step = DumbDiLoCo.on_step
 

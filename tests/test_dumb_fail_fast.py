@@ -11,9 +11,9 @@ import pytest
 import torch
 from dumb_helpers import Spy, Tiny, g, put_delta, settings, worker
 
+from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import DumbDiLoCoError
-from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.transport import DirectoryTransport, HubTransport, PermanentError
+from diloco.dumb_diloco.store.transport import DirectoryTransport, HubTransport, PermanentError
 
 pytestmark = pytest.mark.usefixtures("no_network")
 TOKEN = "hf_FailFastTestToken0123456789"

@@ -15,11 +15,11 @@ import pytest
 import torch
 from dumb_helpers import B0, LR, MU, W0, Spy, Tiny, g, make_loop, put_delta, settings
 
-from diloco.dumb_diloco.recovery import MasterState
-from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, delta_path
-from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.tensor_format import DeltaMeta, decode, encode
-from diloco.dumb_diloco.transport import DirectoryTransport, TransientError
+from diloco.dumb_diloco.master.recovery import MasterState
+from diloco.dumb_diloco.node.strategy import DumbDiLoCo
+from diloco.dumb_diloco.store.transport import DirectoryTransport, TransientError
+from diloco.dumb_diloco.wire.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, delta_path
+from diloco.dumb_diloco.wire.tensor_format import DeltaMeta, decode, encode
 
 pytestmark = pytest.mark.usefixtures("no_network")
 

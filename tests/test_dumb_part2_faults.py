@@ -54,7 +54,7 @@ class Flaky:
         self._lock = threading.Lock()
 
     def _maybe_fail(self, op: str) -> None:
-        from diloco.dumb_diloco.transport import TransientError
+        from diloco.dumb_diloco.store.transport import TransientError
 
         with self._lock:
             self._calls[op] += 1
@@ -77,7 +77,7 @@ class Flaky:
 
 
 def _transport(repo: str, create: bool):
-    from diloco.dumb_diloco.transport import DirectoryTransport, HubTransport, RetryPolicy
+    from diloco.dumb_diloco.store.transport import DirectoryTransport, HubTransport, RetryPolicy
 
     if repo.startswith("http"):
         endpoint, _, repo_id = repo.rpartition("|") if "|" in repo else (repo, "", "")
@@ -136,8 +136,8 @@ def proc_node(
     import torch
     from dumb_helpers import Tiny
 
+    from diloco.dumb_diloco.node.strategy import DumbDiLoCo
     from diloco.dumb_diloco.settings import DumbDiLoCoError
-    from diloco.dumb_diloco.strategy import DumbDiLoCo
 
     torch.manual_seed(seed)
     # a restarted master opens the existing repository (the loopback Hub answers create_repo on an existing
@@ -182,9 +182,9 @@ def proc_reader(repo: str, min_checks: int, min_steps: int) -> None:
     """Poll global/step_count.json and global/latest.safetensors at one revision, as installers do, until
     `min_checks` pairs were compared and `min_steps` distinct outer steps seen (publications happened
     while reading), or DEADLINE passed; exit 1 at the first pair of different rounds."""
-    from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH
-    from diloco.dumb_diloco.tensor_format import decode
-    from diloco.dumb_diloco.transport import RemoteNotFound
+    from diloco.dumb_diloco.store.transport import RemoteNotFound
+    from diloco.dumb_diloco.wire.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH
+    from diloco.dumb_diloco.wire.tensor_format import decode
 
     t = _transport(repo, create=False)
     checks, steps, end = 0, set(), time.monotonic() + DEADLINE
@@ -271,8 +271,8 @@ def _ready(repo: str) -> bool:
 
 
 def published_step(repo) -> int:
-    from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH
-    from diloco.dumb_diloco.transport import RemoteNotFound
+    from diloco.dumb_diloco.store.transport import RemoteNotFound
+    from diloco.dumb_diloco.wire.repo_paths import GLOBAL_STEP_PATH
 
     try:
         return json.loads(repo.read(GLOBAL_STEP_PATH))["outer_step"]
@@ -282,8 +282,8 @@ def published_step(repo) -> int:
 
 def applied_nodes(repo) -> set[str]:
     """The nodes with at least one delta applied in the published ledger."""
-    from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH
-    from diloco.dumb_diloco.transport import RemoteNotFound
+    from diloco.dumb_diloco.master.recovery import GLOBAL_LEDGER_PATH
+    from diloco.dumb_diloco.store.transport import RemoteNotFound
 
     try:
         entries = json.loads(repo.read(GLOBAL_LEDGER_PATH))["entries"]
@@ -295,7 +295,7 @@ def applied_nodes(repo) -> set[str]:
 def delivered(repo, node_id: str) -> tuple[int, int]:
     """(number of the node's deltas in the repository, optimizer steps they cover): every node process
     writes one token per step, so tokens_since_baseline is the steps a delta covers."""
-    from diloco.dumb_diloco.tensor_format import DeltaMeta
+    from diloco.dumb_diloco.wire.tensor_format import DeltaMeta
 
     files = repo.list(f"nodes/{node_id}")
     steps = sum(DeltaMeta.from_header(repo.read_header(f.path).metadata).tokens_since_baseline for f in files)
@@ -308,10 +308,10 @@ def replay(repo, node_state) -> None:
     import torch
     from dumb_helpers import Tiny
 
-    from diloco.dumb_diloco.aggregation import average as _average
-    from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, GLOBAL_MOMENTUM_PATH, MasterState
-    from diloco.dumb_diloco.repo_paths import GLOBAL_WEIGHTS_PATH, delta_path, parse_delta_path
-    from diloco.dumb_diloco.tensor_format import decode
+    from diloco.dumb_diloco.master.aggregation import average as _average
+    from diloco.dumb_diloco.master.recovery import GLOBAL_LEDGER_PATH, GLOBAL_MOMENTUM_PATH, MasterState
+    from diloco.dumb_diloco.wire.repo_paths import GLOBAL_WEIGHTS_PATH, delta_path, parse_delta_path
+    from diloco.dumb_diloco.wire.tensor_format import decode
 
     ledger = json.loads(repo.read(GLOBAL_LEDGER_PATH))
     entries = ledger["entries"]
@@ -390,9 +390,9 @@ def _repo(tmp_path, kind):
 
 @pytest.mark.slow
 def test_second_master_refuses_while_the_lease_is_fresh_then_takes_over(tmp_path):
-    from diloco.dumb_diloco.recovery import LEASE_PATH
-    from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH
-    from diloco.dumb_diloco.transport import DirectoryTransport
+    from diloco.dumb_diloco.master.recovery import LEASE_PATH
+    from diloco.dumb_diloco.store.transport import DirectoryTransport
+    from diloco.dumb_diloco.wire.repo_paths import GLOBAL_STEP_PATH
 
     repo_dir = str(tmp_path / "repo")
     lease = 2.0  # m1's lease, and the taking-over m2's
@@ -437,7 +437,7 @@ def test_second_master_refuses_while_the_lease_is_fresh_then_takes_over(tmp_path
 
 @pytest.mark.slow
 def test_transport_failing_every_third_call_never_stops_training(tmp_path):
-    from diloco.dumb_diloco.transport import DirectoryTransport
+    from diloco.dumb_diloco.store.transport import DirectoryTransport
 
     repo_dir = str(tmp_path / "repo")
     master = node(tmp_path, "master", repo_dir, "m", fail_every=3, seed=11)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from dumb_helpers import LR, MU, W0, g, make_loop, put_delta
 
-from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH
-from diloco.dumb_diloco.repo_paths import delta_path
-from diloco.dumb_diloco.tensor_format import DeltaMeta, encode
-from diloco.dumb_diloco.transport import DirectoryTransport, RemoteFile
+from diloco.dumb_diloco.master.recovery import GLOBAL_LEDGER_PATH
+from diloco.dumb_diloco.store.transport import DirectoryTransport, RemoteFile
+from diloco.dumb_diloco.wire.repo_paths import delta_path
+from diloco.dumb_diloco.wire.tensor_format import DeltaMeta, encode
 
 pytestmark = pytest.mark.usefixtures("no_network")
 

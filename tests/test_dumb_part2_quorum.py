@@ -11,11 +11,11 @@ import pytest
 import torch
 from dumb_helpers import B0, LR, MU, W0, Spy, Tiny, g, make_loop, put_delta, settings
 
-from diloco.dumb_diloco.intake import final_marker_path
-from diloco.dumb_diloco.recovery import MasterState
+from diloco.dumb_diloco.master.intake import final_marker_path
+from diloco.dumb_diloco.master.recovery import MasterState
+from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import Settings
-from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.store.transport import DirectoryTransport
 
 pytestmark = pytest.mark.usefixtures("no_network")
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from dumb_helpers import FakeClock, Tiny, nudge, publish, settings, worker
 
-from diloco.dumb_diloco.repo_paths import delta_path
+from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import DumbDiLoCoError
-from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.tensor_format import decode
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.store.transport import DirectoryTransport
+from diloco.dumb_diloco.wire.repo_paths import delta_path
+from diloco.dumb_diloco.wire.tensor_format import decode
 
 pytestmark = pytest.mark.usefixtures("no_network")
 

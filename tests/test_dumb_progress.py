@@ -1,4 +1,4 @@
-"""`distributed.budget: global` (issue 12; src/diloco/dumb_diloco/progress.py, src/diloco/schedule.py): the
+"""`distributed.budget: global` (issue 12; src/diloco/dumb_diloco/node/progress.py, src/diloco/schedule.py): the
 nodes share num_nodes x max_steps node-steps and the inner lr follows the run's step.
 
 - the schedule is transformers' warmup + cosine bit for bit at the local step (`budget: local` unchanged),
@@ -27,10 +27,10 @@ from trainer_utils import compose_cfg, read_metrics, train
 from transformers import get_cosine_schedule_with_warmup
 
 from diloco.config import ConfigError, validate
-from diloco.dumb_diloco.progress import GlobalProgress
-from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.tensor_format import parse_header
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.node.progress import GlobalProgress
+from diloco.dumb_diloco.node.strategy import DumbDiLoCo
+from diloco.dumb_diloco.store.transport import DirectoryTransport
+from diloco.dumb_diloco.wire.tensor_format import parse_header
 from diloco.schedule import build_schedule, cosine_with_warmup
 
 pytestmark = pytest.mark.usefixtures("no_network")

@@ -1,4 +1,4 @@
-"""DumbDiLoCo deltas as int8/int4 with error feedback on the node (issue 13; dumb_diloco/delta_codec.py).
+"""DumbDiLoCo deltas as int8/int4 with error feedback on the node (issue 13; dumb_diloco/wire/delta_codec.py).
 
 Each test proves an equality, not that something ran: the master decodes a quantized file to exactly
 `quant.dequantize(quant.quantize(v))`; over boundaries, failed uploads and restarts, what the master
@@ -20,14 +20,14 @@ import torch
 from dumb_helpers import LR, MU, W0, Tiny, g, make_loop, publish, put_delta, settings, worker
 
 from diloco.config import ConfigError, validate
-from diloco.dumb_diloco.delta_codec import DeltaCodec, wire_layout
-from diloco.dumb_diloco.intake import Intake
-from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, delta_layout
-from diloco.dumb_diloco.repo_paths import delta_path
+from diloco.dumb_diloco.master.intake import Intake
+from diloco.dumb_diloco.master.recovery import GLOBAL_LEDGER_PATH, delta_layout
+from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import Settings
-from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.tensor_format import DeltaMeta, encode, parse_header
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.store.transport import DirectoryTransport
+from diloco.dumb_diloco.wire.delta_codec import DeltaCodec, wire_layout
+from diloco.dumb_diloco.wire.repo_paths import delta_path
+from diloco.dumb_diloco.wire.tensor_format import DeltaMeta, encode, parse_header
 from diloco.quant import dequantize, payload_bytes, quantize
 
 pytestmark = pytest.mark.usefixtures("no_network")

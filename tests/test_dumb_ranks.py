@@ -13,8 +13,8 @@ import pytest
 import torch
 from mp_utils import run_ranks
 
-from diloco.dumb_diloco.repo_paths import delta_path
-from diloco.dumb_diloco.tensor_format import decode
+from diloco.dumb_diloco.wire.repo_paths import delta_path
+from diloco.dumb_diloco.wire.tensor_format import decode
 
 pytestmark = pytest.mark.usefixtures("no_network")
 
@@ -54,7 +54,7 @@ def train(strategy, model, opt, repo: str, part: int, parts: int, is_rank0: bool
     with gradient accumulation; after step H+1, rank 0 (standing for the master) publishes outer step 1."""
     from dumb_helpers import publish
 
-    from diloco.dumb_diloco.transport import DirectoryTransport
+    from diloco.dumb_diloco.store.transport import DirectoryTransport
 
     train_model = strategy.wrap(model)
     strategy.start()
@@ -81,8 +81,8 @@ def node_rank(repo: str, state_dir: str) -> dict:
     from omegaconf import OmegaConf
 
     from diloco.distributed import DataParallel, DistContext
-    from diloco.dumb_diloco.ranks import NodeRanks
-    from diloco.dumb_diloco.strategy import DumbDiLoCo
+    from diloco.dumb_diloco.node.ranks import NodeRanks
+    from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -106,14 +106,14 @@ def node_rank(repo: str, state_dir: str) -> dict:
 def start_repo(path: Path) -> str:
     from dumb_helpers import publish
 
-    from diloco.dumb_diloco.transport import DirectoryTransport
+    from diloco.dumb_diloco.store.transport import DirectoryTransport
 
     publish(DirectoryTransport(path), Net().state_dict(), 0)
     return str(path)
 
 
 def deltas(repo: str) -> list[dict[str, torch.Tensor]]:
-    from diloco.dumb_diloco.transport import DirectoryTransport
+    from diloco.dumb_diloco.store.transport import DirectoryTransport
 
     t = DirectoryTransport(repo, create=False)
     return [decode(t.read(delta_path("n", s)), max_bytes=2**24)[0] for s in range(H, STEPS + 1, H)]
@@ -121,7 +121,7 @@ def deltas(repo: str) -> list[dict[str, torch.Tensor]]:
 
 @pytest.mark.slow
 def test_a_node_of_two_ranks_uploads_the_deltas_of_a_node_of_one_rank(tmp_path):
-    from diloco.dumb_diloco.strategy import DumbDiLoCo
+    from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 
     one = start_repo(tmp_path / "one")
     model = Net()
@@ -178,8 +178,8 @@ def test_a_master_node_and_a_worker_node_of_two_ranks_each(tmp_path, kind):
     import json
     import os
 
-    from diloco.dumb_diloco.repo_paths import parse_delta_path
-    from diloco.dumb_diloco.transport import DirectoryTransport, HubTransport
+    from diloco.dumb_diloco.store.transport import DirectoryTransport, HubTransport
+    from diloco.dumb_diloco.wire.repo_paths import parse_delta_path
 
     token = "hf_NodeRanksTestToken0123456789"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
@@ -257,7 +257,7 @@ def test_killing_one_rank_stops_the_node_and_a_restart_resumes_exactly(tmp_path)
     from trainer_utils import SMALL, compose_cfg
 
     from diloco import checkpoint
-    from diloco.dumb_diloco.transport import DirectoryTransport
+    from diloco.dumb_diloco.store.transport import DirectoryTransport
     from diloco.model import build_model
 
     cfg = compose_cfg([*SMALL, "distributed=dumb_diloco"])
@@ -307,8 +307,8 @@ def ranks_that_disagree(repo: str, state_dir: str) -> str:
     from omegaconf import OmegaConf
 
     from diloco.distributed import DataParallel, DistContext, DistributedError
-    from diloco.dumb_diloco.ranks import NodeRanks
-    from diloco.dumb_diloco.strategy import DumbDiLoCo
+    from diloco.dumb_diloco.node.ranks import NodeRanks
+    from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -1,4 +1,4 @@
-"""Translate on install (issue 12; src/diloco/dumb_diloco/install.py): a node keeps its own progress on
+"""Translate on install (issue 12; src/diloco/dumb_diloco/node/install.py): a node keeps its own progress on
 top of the global it installs. Two exact properties:
 
 - installing with zero delay is synchronous DiLoCo (torch's SGD with Nesterov on the averaged
@@ -18,8 +18,8 @@ import pytest
 import torch
 from dumb_helpers import FakeClock, Spy, make_loop, publish, settings
 
-from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.node.strategy import DumbDiLoCo
+from diloco.dumb_diloco.store.transport import DirectoryTransport
 
 pytestmark = pytest.mark.usefixtures("no_network")
 H = 3

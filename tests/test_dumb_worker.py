@@ -14,11 +14,11 @@ import pytest
 import torch
 from dumb_helpers import FakeClock, Tiny, nudge, publish, publish_raw, settings, worker
 
-from diloco.dumb_diloco.repo_paths import GLOBAL_WEIGHTS_PATH, delta_path
+from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import DumbDiLoCoError
-from diloco.dumb_diloco.strategy import DumbDiLoCo
-from diloco.dumb_diloco.tensor_format import DeltaMeta, decode
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.store.transport import DirectoryTransport
+from diloco.dumb_diloco.wire.repo_paths import GLOBAL_WEIGHTS_PATH, delta_path
+from diloco.dumb_diloco.wire.tensor_format import DeltaMeta, decode
 
 pytestmark = pytest.mark.usefixtures("no_network")
 

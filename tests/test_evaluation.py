@@ -10,9 +10,9 @@ import torch
 from trainer_utils import compose_cfg, final_weights, train
 
 from diloco.config import ConfigError, validate
-from diloco.dumb_diloco.repo_paths import GLOBAL_WEIGHTS_PATH
-from diloco.dumb_diloco.tensor_format import decode
-from diloco.dumb_diloco.transport import DirectoryTransport
+from diloco.dumb_diloco.store.transport import DirectoryTransport
+from diloco.dumb_diloco.wire.repo_paths import GLOBAL_WEIGHTS_PATH
+from diloco.dumb_diloco.wire.tensor_format import decode
 
 pytestmark = pytest.mark.usefixtures("no_network")
 

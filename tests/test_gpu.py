@@ -67,9 +67,9 @@ def test_resume_on_the_device_continues_the_run(tmp_path):
 
 def test_dumb_diloco_master_and_worker_on_the_device(tmp_path):
     """A master and a worker (two processes) on the device exchange deltas through a directory."""
-    from diloco.dumb_diloco.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH
-    from diloco.dumb_diloco.tensor_format import decode
-    from diloco.dumb_diloco.transport import DirectoryTransport
+    from diloco.dumb_diloco.store.transport import DirectoryTransport
+    from diloco.dumb_diloco.wire.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH
+    from diloco.dumb_diloco.wire.tensor_format import decode
 
     repo = tmp_path / "repo"
     common = [

@@ -28,11 +28,11 @@ import torch
 from mp_utils import wait_for_nodes
 from trainer_utils import compose_cfg
 
-from diloco.dumb_diloco.aggregation import average
-from diloco.dumb_diloco.recovery import GLOBAL_LEDGER_PATH, GLOBAL_MOMENTUM_PATH, MasterState
-from diloco.dumb_diloco.repo_paths import GLOBAL_WEIGHTS_PATH, delta_path, parse_delta_path
-from diloco.dumb_diloco.tensor_format import decode
-from diloco.dumb_diloco.transport import DirectoryTransport, HubTransport
+from diloco.dumb_diloco.master.aggregation import average
+from diloco.dumb_diloco.master.recovery import GLOBAL_LEDGER_PATH, GLOBAL_MOMENTUM_PATH, MasterState
+from diloco.dumb_diloco.store.transport import DirectoryTransport, HubTransport
+from diloco.dumb_diloco.wire.repo_paths import GLOBAL_WEIGHTS_PATH, delta_path, parse_delta_path
+from diloco.dumb_diloco.wire.tensor_format import decode
 from diloco.model import build_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_network")]

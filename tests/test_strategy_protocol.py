@@ -16,8 +16,8 @@ import torch
 from diloco.comm import SoloCollective
 from diloco.diloco import DiLoCo
 from diloco.distributed import DataParallel, DistContext, LocalTraining
-from diloco.dumb_diloco.ranks import NodeRanks
-from diloco.dumb_diloco.strategy import DumbDiLoCo
+from diloco.dumb_diloco.node.ranks import NodeRanks
+from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.strategy import Strategy
 
 STRATEGIES = [LocalTraining, DataParallel, DiLoCo, DumbDiLoCo, NodeRanks]

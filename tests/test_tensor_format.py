@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from diloco.dumb_diloco import tensor_format as tf
-from diloco.dumb_diloco.aggregation import is_delta_tensor, pseudo_gradient
-from diloco.dumb_diloco.repo_paths import delta_path, parse_delta_path, validate_node_id
-from diloco.dumb_diloco.tensor_format import DeltaMeta, InvalidTensorFile, decode, encode, parse_header
+from diloco.dumb_diloco.master.aggregation import is_delta_tensor, pseudo_gradient
+from diloco.dumb_diloco.wire import tensor_format as tf
+from diloco.dumb_diloco.wire.repo_paths import delta_path, parse_delta_path, validate_node_id
+from diloco.dumb_diloco.wire.tensor_format import DeltaMeta, InvalidTensorFile, decode, encode, parse_header
 
 pytestmark = pytest.mark.usefixtures("no_network")
 CAP = 1 << 20
@@ -266,7 +266,7 @@ def test_encoded_bytes_are_one_safetensors_file_with_the_payload_digest():
 
 _ENCODE_IN_A_FRESH_PROCESS = """
 import hashlib, sys, torch
-from diloco.dumb_diloco.tensor_format import encode
+from diloco.dumb_diloco.wire.tensor_format import encode
 g = torch.Generator().manual_seed(0)
 tensors = {f"layer{i}.weight": torch.randn(7, 5, generator=g) for i in range(12)}
 tensors["step"] = torch.arange(3)
@@ -422,7 +422,7 @@ def test_delta_meta_from_bad_header(change, match):
 def test_a_nodes_time_per_step_travels_only_when_it_is_known():
     """`step_micros` (dynamic local steps): written when set, absent (the header as before) when 0; read back;
     a step_count.json map keeps only int values (a hostile entry is dropped, not fatal)."""
-    from diloco.dumb_diloco.startup import _int_map
+    from diloco.dumb_diloco.node.joiner import _int_map
 
     plain = DeltaMeta(node_id="w", local_step=1, base_outer_step=0)
     assert "step_micros" not in plain.to_header()

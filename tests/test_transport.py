@@ -15,9 +15,8 @@ import traceback
 import pytest
 import torch
 
-from diloco.dumb_diloco.budget import commit_budget
-from diloco.dumb_diloco.tensor_format import InvalidTensorFile, encode
-from diloco.dumb_diloco.transport import (
+from diloco.dumb_diloco.store.budget import commit_budget
+from diloco.dumb_diloco.store.transport import (
     DirectoryTransport,
     FileTooLarge,
     HubTransport,
@@ -31,6 +30,7 @@ from diloco.dumb_diloco.transport import (
     TransportError,
     open_transport,
 )
+from diloco.dumb_diloco.wire.tensor_format import InvalidTensorFile, encode
 
 pytestmark = pytest.mark.usefixtures("no_network")
 
@@ -281,7 +281,7 @@ class _WallClock:
 
 
 def test_directory_old_versions_kept_for_grace_period_then_collected(tmp_path, monkeypatch):
-    import diloco.dumb_diloco.directory as directory_module
+    import diloco.dumb_diloco.store.directory as directory_module
 
     clock = _WallClock()  # commit times and the collector's "now" come from it: no race with a slow disk
     monkeypatch.setattr(directory_module, "time", clock)

@@ -373,7 +373,7 @@ def _check_topk(d: Any) -> None:
 
 def check_dumb_diloco(d: Any) -> None:
     """Ranges of a typed DumbDiLoCo block (schema.DumbDiLoCoConfig or its runtime Settings)."""
-    from diloco.dumb_diloco.repo_paths import validate_node_id  # light: no torch.distributed, no Hub
+    from diloco.dumb_diloco.wire.repo_paths import validate_node_id  # light: no torch.distributed, no Hub
 
     _one_of("distributed.role", d.role, DUMB_DILOCO_ROLES)
     for key, ids in (("node_id", [d.node_id]), ("collaborators", list(d.collaborators))):
@@ -510,7 +510,7 @@ def validate(cfg: DictConfig) -> schema.Config:
 def _check_dumb_diloco_run(cfg: DictConfig) -> None:
     """What a DumbDiLoCo block needs of the whole config: a global budget, the node count (data.num_shards,
     else launch.nodes); on the Hub, a plan within the repository's commit limit (refused before it runs)."""
-    from diloco.dumb_diloco.budget import config_budget, on_hub  # light: no Hub client
+    from diloco.dumb_diloco.store.budget import config_budget, on_hub  # light: no Hub client
 
     d = cfg.distributed
     nodes = cfg.data.get("num_shards") or cfg.launch.nodes

@@ -1,5 +1,5 @@
 """The outer optimizer of DiLoCo (Douillard et al., arXiv 2311.08105, Algorithm 1, line 12), shared by
-synchronous DiLoCo (diloco.py) and the DumbDiLoCo master (dumb_diloco/master.py): the float32 global
+synchronous DiLoCo (diloco.py) and the DumbDiLoCo master (dumb_diloco/master/loop.py): the float32 global
 weights are stepped in place by `torch.optim.SGD(nesterov=True)` with the averaged pseudo-gradient as
 their gradient. The two strategies differ only in how that average is formed (a collective, a store).
 

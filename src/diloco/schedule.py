@@ -1,7 +1,7 @@
 """The inner learning-rate schedule: linear warmup, then a cosine to 0 at optim.total_steps (transformers'
 `get_cosine_schedule_with_warmup`, the same arithmetic), evaluated at the run's step as the strategy
 reports it (`Strategy.progress`): the local step for every strategy but a DumbDiLoCo node under
-`budget: global`, whose step is its estimate of the whole run's (dumb_diloco/progress.py).
+`budget: global`, whose step is its estimate of the whole run's (dumb_diloco/node/progress.py).
 
 Invariant: the step is clamped to [0, total_steps], since transformers' cosine rises again past its end
 (a DumbDiLoCo node may train past total_steps of its own); with the local step, which train.max_steps <=

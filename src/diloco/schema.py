@@ -234,7 +234,7 @@ class DumbDiLoCoConfig:
     keep_deltas: int = 0  # master: keep the N newest processed deltas per node (0 = never delete)
     lease_seconds: float = 300  # single-master lease (0 = the spec: no lease)
     # seconds per inner step on the target hardware, for the Hub commit budget the plan prints and checks
-    # (dumb_diloco/budget.py); 0 = unknown, no budget
+    # (dumb_diloco/store/budget.py); 0 = unknown, no budget
     expected_step_seconds: float = 0
     install: str = "replace"  # replace (the spec: the global's weights) | translate (keep own progress)
     install_when_staged: bool = False  # translate only: install as soon as a global is staged, mid-round
@@ -246,12 +246,12 @@ class DumbDiLoCoConfig:
     # for many rounds costs a worker no memory; 0 = no cap
     max_pending_snapshots: int = 2
     # local (the spec): every node trains train.max_steps steps; global: the nodes share num_shards x max_steps
-    # node-steps (synchronous DiLoCo's tokens) and the lr follows the run's step (dumb_diloco/progress.py)
+    # node-steps (synchronous DiLoCo's tokens) and the lr follows the run's step (dumb_diloco/node/progress.py)
     budget: str = "local"
     # global budget only: a node's round is H x its speed / the fastest node's (Async Local-SGD's dynamic local
-    # updates, arXiv 2401.09135), so a slow node's deltas arrive with the others' (dumb_diloco/progress.py)
+    # updates, arXiv 2401.09135), so a slow node's deltas arrive with the others' (dumb_diloco/node/progress.py)
     dynamic_local_steps: bool = False
-    # deltas on the wire (issue 13; dumb_diloco/delta_codec.py): float32 | int8 | int4 (diloco.quant)
+    # deltas on the wire (issue 13; dumb_diloco/wire/delta_codec.py): float32 | int8 | int4 (diloco.quant)
     pseudo_grad_dtype: str = "float32"
     error_feedback: Optional[bool] = None  # int8/int4: on unless false; the node keeps what quantization lost
     quant_block_size: int = 256  # int8/int4: elements per bfloat16 scale (even, >= 2)

@@ -19,7 +19,7 @@
 under `budget: global`, whose estimate of the whole run's step lets fast nodes train on and slow ones stop
 early, and sets the lr (diloco.schedule).
 Implementations: LocalTraining and DataParallel (distributed.py), DiLoCo (diloco.py), DumbDiLoCo
-(dumb_diloco/strategy.py), NodeRanks (dumb_diloco/ranks.py); tests/test_strategy_protocol.py checks that each
+(dumb_diloco/node/strategy.py), NodeRanks (dumb_diloco/node/ranks.py); tests/test_strategy_protocol.py checks that each
 has these members with these signatures. docs/architecture.md draws the whole data flow.
 """
 

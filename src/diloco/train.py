@@ -79,7 +79,7 @@ def build_strategy(cfg: DictConfig, ctx: DistContext, model, optimizer, typed_cf
 
         return DiLoCo.from_config(dcfg, ctx, model, optimizer)
     if mode == "dumb_diloco":
-        from diloco.dumb_diloco.strategy import DumbDiLoCo
+        from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 
         return DumbDiLoCo.from_config(cfg, ctx, model, optimizer)
     raise ConfigError(f"distributed.mode must be none, ddp, diloco or dumb_diloco, got {mode!r}")

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from diloco.config import ConfigError, check_dumb_diloco, typed
 from diloco.schema import DumbDiLoCoConfig
 
-from .transport import RetryPolicy
+from .store.transport import RetryPolicy
 
 log = logging.getLogger("diloco.dumb_diloco")
 

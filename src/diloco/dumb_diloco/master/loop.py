@@ -28,8 +28,10 @@ from pathlib import Path
 
 import torch
 
+from ..store.base import why_permanent
+from ..store.budget import LEDGER_EVERY_S
+from ..store.transport import Transport, TransportError
 from .aggregation import RunningSum
-from .budget import LEDGER_EVERY_S
 from .intake import Candidate, Intake
 from .publication import HF_CONFIG_PATH, garbage, global_files, lease_blob, ledger_blob
 from .recovery import (
@@ -42,8 +44,6 @@ from .recovery import (
     read_lease,
     utc_now,
 )
-from .store import why_permanent
-from .transport import Transport, TransportError
 
 log = logging.getLogger("diloco.dumb_diloco")
 

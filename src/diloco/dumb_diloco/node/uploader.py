@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from .delta_codec import DeltaCodec
+from ..settings import Settings
+from ..store.transport import Transport
+from ..wire.delta_codec import DeltaCodec
+from ..wire.repo_paths import delta_path
+from ..wire.tensor_format import DeltaMeta, parse_header
 from .ending import write_marker
 from .lanes import Buffers, DeltaJob, OwnCopy, describe
-from .repo_paths import delta_path
-from .settings import Settings
-from .tensor_format import DeltaMeta, parse_header
-from .transport import Transport
 
 log = logging.getLogger("diloco.dumb_diloco")
 Snapshot = dict[str, torch.Tensor]

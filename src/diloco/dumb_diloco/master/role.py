@@ -1,5 +1,5 @@
 """The master's part of a DumbDiLoCo node: `MasterRole` owns the repository's lease (the flock on
-<state_dir>/<node_id>/master.lock), the outer loop (master.py) and its stop and save; the node composes it
+<state_dir>/<node_id>/master.lock), the outer loop (loop.py) and its stop and save; the node composes it
 (None on a worker) and reads the snapshot, the final status and the figures through it.
 
 Invariants: `start` takes the lease, recovers the newest state (startup.py), hands its global to
@@ -18,10 +18,11 @@ from typing import IO
 
 import torch
 
-from .master import OuterLoop
+from ..node.joiner import Joiner
+from ..settings import Settings
+from .loop import OuterLoop
 from .recovery import GlobalSnapshot, MasterState
-from .settings import Settings
-from .startup import Joiner, open_outer_loop, recover_outer_loop, take_lease
+from .startup import open_outer_loop, recover_outer_loop, take_lease
 
 log = logging.getLogger("diloco.dumb_diloco")
 

@@ -22,10 +22,10 @@ import torch
 
 from diloco.outer import OuterOptimizer
 
-from ..files import write_atomic
+from ...files import write_atomic
+from ..store.transport import RemoteNotFound, Transport
+from ..wire.tensor_format import TORCH_DTYPES, InvalidTensorFile, decode, encode
 from .aggregation import is_delta_tensor
-from .tensor_format import TORCH_DTYPES, InvalidTensorFile, decode, encode
-from .transport import RemoteNotFound, Transport
 
 log = logging.getLogger("diloco.dumb_diloco")
 

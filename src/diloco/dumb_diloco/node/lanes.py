@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .aggregation import pseudo_gradient
-from .delta_file import DeltaFile
-from .settings import Settings
-from .tensor_format import DeltaMeta
-from .transport import PermanentError, RemoteNotFound
+from ..master.aggregation import pseudo_gradient
+from ..settings import Settings
+from ..store.transport import PermanentError, RemoteNotFound
+from ..wire.delta_file import DeltaFile
+from ..wire.tensor_format import DeltaMeta
 
 
 class InlineLane:

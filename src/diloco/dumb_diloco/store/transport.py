@@ -10,10 +10,8 @@ from __future__ import annotations
 import os
 from urllib.parse import unquote, urlparse
 
-from ..files import write_atomic
-from .directory import DirectoryTransport
-from .hub import HUB_REPO_ID_RE, HubTransport, RetryPolicy, deadline, time_left
-from .store import (
+from ...files import write_atomic
+from .base import (
     FileTooLarge,
     PermanentError,
     ReadsInto,
@@ -25,6 +23,8 @@ from .store import (
     TransportError,
     validate_repo_path,
 )
+from .directory import DirectoryTransport
+from .hub import HUB_REPO_ID_RE, HubTransport, RetryPolicy, deadline, time_left
 
 __all__ = [
     "DirectoryTransport",

@@ -27,8 +27,8 @@ from typing import Any, TypeVar
 
 from diloco.schema import RetryConfig
 
-from .budget import HUB_COMMITS_PER_HOUR, HUB_REPO_ID_RE
-from .store import (
+from ..wire.tensor_format import DEFAULT_MAX_HEADER_BYTES, SafetensorsHeader, read_header_ranges
+from .base import (
     FileTooLarge,
     PermanentError,
     RemoteFile,
@@ -40,7 +40,7 @@ from .store import (
     validate_prefix,
     validate_repo_path,
 )
-from .tensor_format import DEFAULT_MAX_HEADER_BYTES, SafetensorsHeader, read_header_ranges
+from .budget import HUB_COMMITS_PER_HOUR, HUB_REPO_ID_RE
 
 logger = logging.getLogger("diloco.dumb_diloco.transport")
 

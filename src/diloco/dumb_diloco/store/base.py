@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from .tensor_format import DEFAULT_MAX_HEADER_BYTES, SafetensorsHeader
+from ..wire.tensor_format import DEFAULT_MAX_HEADER_BYTES, SafetensorsHeader
 
 CTRL_DIR = ".dumb_diloco"  # reserved: the directory store's versions and commit log
 

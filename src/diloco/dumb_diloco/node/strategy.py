@@ -1,8 +1,8 @@
 """`distributed=dumb_diloco` for the trainer: `DumbDiLoCo`, one node (master or worker) of a DumbDiLoCo
 run, composed of parts that own their state: the `Uploader` (uploader.py: baseline, carry, the upload
 lane, the final delta and marker), the `Installer` (install.py: the staged and installed global,
-translate's snapshots), the `Joiner` (startup.py: the store, the first global, the quorum) and the
-`Counters` (counters.py); on the master, the `MasterRole` (master_role.py: the lease, the outer loop).
+translate's snapshots), the `Joiner` (joiner.py: the store, the first global, the quorum) and the
+`Counters` (counters.py); on the master, the `MasterRole` (master/role.py: the lease, the outer loop).
 
 The seven steps after each optimizer step: (1) the trainer calls `after_inner_step`; `on_step` receives
 the local step (2); at a boundary (local_step % inner_steps == 0; or every H x pace steps,
@@ -39,20 +39,20 @@ import torch
 
 from diloco.model import weights_sha256
 
-from .budget import PaceCheck
+from ..master.loop import OuterLoop
+from ..master.recovery import GlobalSnapshot, delta_layout, state_layout
+from ..master.role import MasterRole
+from ..settings import DumbDiLoCoError, Settings
+from ..store.budget import PaceCheck
+from ..store.transport import HubTransport, Transport, deadline
+from ..wire.delta_codec import DeltaCodec
+from ..wire.tensor_format import InvalidTensorFile
 from .counters import Counters
-from .delta_codec import DeltaCodec
 from .ending import await_final_status
 from .install import Installer
+from .joiner import GlobalReader, Joiner
 from .lanes import Buffers, DeltaJob, InlineLane, describe, fail_fast
-from .master import OuterLoop
-from .master_role import MasterRole
 from .progress import GlobalProgress
-from .recovery import GlobalSnapshot, delta_layout, state_layout
-from .settings import DumbDiLoCoError, Settings
-from .startup import GlobalReader, Joiner
-from .tensor_format import InvalidTensorFile
-from .transport import HubTransport, Transport, deadline
 from .uploader import Uploader
 
 log = logging.getLogger("diloco.dumb_diloco")
@@ -129,7 +129,7 @@ class DumbDiLoCo:
         self._poll_lane: Any = None  # a one-thread executor or InlineLane, from `start`
         self._polling: Future | None = None
         self._last_poll = -math.inf
-        self.master: MasterRole | None = None  # the lease and the outer loop (master_role.py); None: a worker
+        self.master: MasterRole | None = None  # the lease and the outer loop (master/role.py); None: a worker
         if settings.is_master:
             self.master = MasterRole(
                 settings,
@@ -427,7 +427,7 @@ class DumbDiLoCo:
         self.counters.bytes_downloaded += n
 
     def fetch_global(self) -> GlobalSnapshot | None:
-        """A global newer than the installed/staged one (startup.GlobalReader), None if there is none."""
+        """A global newer than the installed/staged one (joiner.GlobalReader), None if there is none."""
         try:
             return self.joiner.fetch(self.newest_known())
         except InvalidTensorFile:
@@ -485,7 +485,7 @@ class DumbDiLoCo:
     # ---------------------------------------------------------------- start
 
     def connect(self) -> None:
-        """Open the repository; a worker waits for the first global and stages it (startup.Joiner)."""
+        """Open the repository; a worker waits for the first global and stages it (joiner.Joiner)."""
         first = self.joiner.connect(self.fetch_global, holding_a_global=self.newest_known() >= 0)
         if first is not None:
             self.stage(first)

@@ -1,7 +1,7 @@
 """The end of a node's run (past the spec, which loses the last deltas): its final marker and what became of
 its final delta (the uploader, uploader.py, sends both). A node announces itself when it
 starts (nodes/<node_id>/final.json saying "running"); at its end it uploads the progress made since its
-last boundary, then rewrites the marker as "finished", naming its last delta. The master (master.py) keeps
+last boundary, then rewrites the marker as "finished", naming its last delta. The master (master/loop.py) keeps
 aggregating until every announced node's marker names a processed delta, or drain_timeout passes; a
 worker reads the published ledger until it says what became of its final delta.
 
@@ -16,11 +16,11 @@ import json
 import logging
 from collections.abc import Callable
 
-from .intake import final_marker_path
-from .recovery import GLOBAL_LEDGER_PATH, LEASE_PATH, LEDGER_FILE_MAX_BYTES, utc_now
-from .repo_paths import GLOBAL_STEP_PATH
-from .startup import STEP_FILE_MAX_BYTES
-from .transport import RemoteNotFound, Transport, TransportError
+from ..master.intake import final_marker_path
+from ..master.recovery import GLOBAL_LEDGER_PATH, LEASE_PATH, LEDGER_FILE_MAX_BYTES, utc_now
+from ..store.transport import RemoteNotFound, Transport, TransportError
+from ..wire.repo_paths import GLOBAL_STEP_PATH
+from .joiner import STEP_FILE_MAX_BYTES
 
 log = logging.getLogger("diloco.dumb_diloco")
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .delta_codec import WIRE_DTYPES, to_float32, wire_layout
+from ..store.transport import FileTooLarge, ReadsInto, RemoteNotFound, Transport, TransportError
+from ..wire.delta_codec import WIRE_DTYPES, to_float32, wire_layout
+from ..wire.repo_paths import NODES_DIR, parse_delta_path, validate_node_id
+from ..wire.tensor_format import DeltaMeta, InvalidTensorFile, decode
 from .recovery import Ledger, LedgerEntry
-from .repo_paths import NODES_DIR, parse_delta_path, validate_node_id
-from .tensor_format import DeltaMeta, InvalidTensorFile, decode
-from .transport import FileTooLarge, ReadsInto, RemoteNotFound, Transport, TransportError
 
 log = logging.getLogger("diloco.dumb_diloco")
 FINAL_MARKER = (

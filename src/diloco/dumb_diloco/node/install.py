@@ -23,9 +23,9 @@ import threading
 
 import torch
 
+from ..master.recovery import GlobalSnapshot, state_layout
+from ..settings import DumbDiLoCoError
 from .lanes import Buffers, DeltaJob
-from .recovery import GlobalSnapshot, state_layout
-from .settings import DumbDiLoCoError
 
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 Snapshot = dict[str, torch.Tensor]

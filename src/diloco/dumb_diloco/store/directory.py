@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..files import fsync_dir, write_atomic, write_durable
-from .store import (
+from ...files import fsync_dir, write_atomic, write_durable
+from ..wire.tensor_format import DEFAULT_MAX_HEADER_BYTES, SafetensorsHeader, read_header_ranges
+from .base import (
     CTRL_DIR,
     FileTooLarge,
     RemoteFile,
@@ -32,7 +33,6 @@ from .store import (
     validate_prefix,
     validate_repo_path,
 )
-from .tensor_format import DEFAULT_MAX_HEADER_BYTES, SafetensorsHeader, read_header_ranges
 
 _VERSION_RE = re.compile(r"^(.+)@(\d{12})-([0-9a-f]{16})(\.del)?$")
 _FORMAT_LINE = "dumb-diloco directory repository, format 1\n"

@@ -1,0 +1,1 @@
+"""One DumbDiLoCo node (master or worker): the `DumbDiLoCo` strategy and the parts it composes."""
