@@ -91,7 +91,7 @@ replicate-tiny-hetero: setup  ## one node 2x slower, synchronous DiLoCo vs DumbD
 	@set -e; for s in $(TINY_SEEDS); do $(PY) scripts/replicate.py --family tiny-hetero --runs $(RUNS)/tiny-hetero/s$$s --override seed=$$s; done
 	$(PY) scripts/async_acceptance.py --out $(RUNS)/tiny-hetero/record --seeds $(TINY_SEEDS) $(foreach s,$(TINY_SEEDS),--heterogeneous $(RUNS)/tiny-hetero/s$(s)/tiny-diloco-fp32,$(RUNS)/tiny-hetero/s$(s)/tiny-dumb-diloco-hetero)
 
-# SMOKE=1: the same runs, report and check, tiny, on CPU (what tests/test_replicate_gpu.py runs); the
+# SMOKE=1: the same runs, report and check, tiny, on CPU (what tests/scripts/test_replicate_gpu.py runs); the
 # report then goes beside the runs and the verdicts judge the pipeline, not the paper (a FAIL is expected).
 GPU_OUT = $(or $(OUT),$(if $(filter 1,$(SMOKE)),$(RUNS)/gpu-report,results/gpu))
 replicate-gpu: setup  ## the paper's comparison at 14M on this machine's one GPU (~15 min on an H100/H200, estimated), then its report (results/gpu; OUT=dir, FORCE=1) and check

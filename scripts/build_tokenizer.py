@@ -11,7 +11,7 @@ whitespace-only pieces, "▁▁" and longer, score -1e9 and merge last). tokeniz
 special_tokens_map.json say what the Hub's say, except `tokenizer_class`: PreTrainedTokenizerFast, which
 loads tokenizer.json as it is; transformers 5 rebuilds a LlamaTokenizer around a Metaspace pre-tokenizer
 that drops the dummy prefix of a text starting with a space. `AutoTokenizer.from_pretrained(<dir>)` then
-needs only `tokenizers`; tests/test_tokenizer.py checks it encodes exactly as SentencePiece does.
+needs only `tokenizers`; tests/data/test_tokenizer.py checks it encodes exactly as SentencePiece does.
 """
 
 from __future__ import annotations

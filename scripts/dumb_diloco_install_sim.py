@@ -7,7 +7,7 @@ with a cosine schedule, the tiny family's outer optimizer (lr 0.5, Nesterov 0.8)
 the master makes one round of all four deltas after every boundary. What differs is when each node
 installs that round's global:
 
-- `sync`: at once (zero delay): synchronous DiLoCo exactly (tests/test_dumb_translate.py);
+- `sync`: at once (zero delay): synchronous DiLoCo exactly (tests/dumb_diloco/node/test_dumb_translate.py);
 - `replace@boundary`: at the node's next boundary, as the specification's node does (polls there);
 - `translate@boundary`, `translate@+5`, `translate@+3`: translate on install, at the next boundary or
   as soon as it is staged, which here is 5 or 3 steps after the round (a poll delay).

@@ -95,7 +95,7 @@ def ensure(runs: Path, size: str, method: str, lr: float, seed: int, subset: str
 
 def family_final(family_runs: Path | None, method: str, lr: float, seed: int) -> dict | None:
     """The family's run of `method` at `seed` when it is the ladder's 2m final (same lr and outer
-    optimizer: tests/test_law_scripts.py checks the rest of the config is the same), else None."""
+    optimizer: tests/scripts/test_law_scripts.py checks the rest of the config is the same), else None."""
     if family_runs is None:
         return None
     cfg = compose_experiment(FAMILY[method], [f"seed={seed}"])

@@ -12,7 +12,7 @@ _os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 
 # ======================================================================================
-# DumbDiLoCo transport fixtures (tests/test_transport.py, tests/test_tensor_format.py):
+# DumbDiLoCo transport fixtures (tests/dumb_diloco/store/test_transport.py, tests/dumb_diloco/wire/test_tensor_format.py):
 # a loopback Hugging Face Hub server and a guard that refuses non-loopback connections.
 # ======================================================================================
 import ipaddress as _dd_ipaddress

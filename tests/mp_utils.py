@@ -2,7 +2,7 @@
 
 `run_ranks("module:function", n, **kwargs)` starts n fresh Python processes with the environment
 torchrun would give them (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT), calls
-`function(**kwargs)` in each (module imported from tests/), and returns what each returned.
+`function(**kwargs)` in each (module imported from its folder under tests/), and returns what each returned.
 `run_trainer(n, overrides)` starts n ranks of `python -m diloco.train` the same way. Both enforce a
 timeout and kill their own stragglers (by pid) whatever happens.
 
@@ -119,7 +119,8 @@ def run_trainer(nprocs: int, overrides: list[str], per_node: int | None = None, 
 
 
 def run_ranks(target: str, nprocs: int, timeout: float = 300, per_node: int | None = None, **kwargs):
-    """Call tests/<module>.<function>(**kwargs) in n gloo ranks; the list of return values, by rank."""
+    """Call <module>.<function>(**kwargs) in n gloo ranks, the module a test file anywhere under tests/ (by
+    its unique basename); the list of return values, by rank."""
     with tempfile.TemporaryDirectory() as tmp:
         args = Path(tmp) / "args.pkl"
         args.write_bytes(pickle.dumps(kwargs))
@@ -138,6 +139,7 @@ def _child(target: str, args_path: str, out_path: str) -> None:
 
     torch.set_num_threads(1)
     module, function = target.split(":")
+    sys.path[:0] = sorted({str(f.parent) for f in TESTS.rglob(f"{module}.py")})  # tests/<folder>/<module>.py
     fn = getattr(importlib.import_module(module), function)
     result = fn(**pickle.loads(Path(args_path).read_bytes()))
     Path(out_path).write_bytes(pickle.dumps(result))

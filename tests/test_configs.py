@@ -58,7 +58,7 @@ def test_optimizer_defaults_are_the_papers():
     assert cfg.optim.weight_decay == 0.1 and cfg.optim.grad_clip == 1.0
     assert cfg.optim.warmup_steps == 1000 and cfg.optim.total_steps == 88000
     assert cfg.data.seq_len == 1024 and cfg.train.batch_size == 512
-    # C4 with Mistral-7B-v0.1's tokenizer, bundled (tests/test_tokenizer.py)
+    # C4 with Mistral-7B-v0.1's tokenizer, bundled (tests/data/test_tokenizer.py)
     assert cfg.data.path == "allenai/c4" and cfg.data.tokenizer == asset_path("mistral-7b-v0.1")
     assert Path(cfg.data.tokenizer, "tokenizer.json").is_file()
 

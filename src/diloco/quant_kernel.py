@@ -7,7 +7,7 @@ Ours, not a library's, because it was measured: eager torch takes 11-22x the mem
 temporary); this C loop reaches the floor (results/bench/quant.json). It computes exactly what the
 eager reference in diloco.quant computes (same operations in the same order, no fused multiply-add:
 -ffp-contract=off), so the codes and residuals are bit for bit the same on either path
-(tests/test_quant.py); only the float64 error statistics are summed in another order.
+(tests/sync/test_quant.py); only the float64 error statistics are summed in another order.
 
 Built once per machine with the C compiler (`cc`, as torch.utils.cpp_extension uses one) into
 ~/.cache/diloco (or $DILOCO_KERNEL_CACHE) and loaded with ctypes, which releases the GIL: the blocks are

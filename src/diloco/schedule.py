@@ -5,7 +5,7 @@ reports it (`Strategy.progress`): the local step for every strategy but a DumbDi
 
 Invariant: the step is clamped to [0, total_steps], since transformers' cosine rises again past its end
 (a DumbDiLoCo node may train past total_steps of its own); with the local step, which train.max_steps <=
-optim.total_steps keeps inside, the factors equal transformers' bit for bit (tests/test_dumb_progress.py).
+optim.total_steps keeps inside, the factors equal transformers' bit for bit (tests/dumb_diloco/node/test_dumb_progress.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,171 @@
+"""Every benchmark (scripts/bench_*.py) runs once at its tiny size and writes its JSON record.
+
+No timing is asserted here: benchmarks measure, `make bench` reports. These tests only prove the
+scripts still run against the current code and write what the report reads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def load(name: str):
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_tiny(name: str, out: Path, *extra: str) -> dict:
+    code = load(name).main(["--tiny", "--out", str(out), *extra])
+    assert code == 0
+    record = json.loads((out / f"{name.removeprefix('bench_')}.json").read_text())
+    for key in ("machine", "commit", "command", "rows", "columns"):
+        assert key in record, key
+    assert record["machine"]["cpu"] and record["machine"]["torch"]
+    return record
+
+
+def test_quant(tmp_path):
+    record = run_tiny("bench_quant", tmp_path)
+    assert {(r["dtype"], r["payload bytes"]) for r in record["rows"]} == {("int8", 264192), ("int4", 133120)}
+
+
+def test_wire(tmp_path):
+    record = run_tiny("bench_wire", tmp_path)
+    assert {r["dtype"] for r in record["rows"]} == {"float32", "float16"}
+    # the header-only reads never fetched the payload (a property, not a timing)
+    for d in record["details"]:
+        assert d["header_read_bytes_directory"] - d["header_bytes"] < d["payload_bytes"]
+    hub = record["hub_header"]
+    assert hub["read_header_response_bytes"] <= hub["header_len"] < hub["file_bytes"]
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5, 1234.5678, 1e-7, float("nan"), None, "x"])
+def test_table_formatting(value):
+    common = load("bench_common")
+    text = common.table([{"a": value, "b": 1}], ["a", "b"])
+    assert text.count("\n") == 2 and text.startswith("| a | b |")
+
+
+@pytest.mark.slow  # runs the real trainer end to end
+def test_trainer(tmp_path):
+    record = run_tiny("bench_trainer", tmp_path)
+    (row,) = record["rows"]
+    assert row["trainer tok/s"] > 0 and row["plain loop tok/s"] > 0
+
+
+@pytest.mark.slow  # runs the real trainer end to end
+def test_comm_volume(tmp_path):
+    record = run_tiny("bench_comm_volume", tmp_path)
+    rows = {(r["mode"], r["pseudo-grad dtype"]): r for r in record["rows"]}
+    # bytes are counted, not timed: the trainer's own counters agree with the analytic payload
+    assert rows[("diloco", "float16")]["measured/analytic"] == 1.0
+    assert 1.0 <= rows[("dumb_diloco upload", "float32")]["measured/analytic"] < 1.01  # header bytes
+    paper = record["tables"]["Paper runs: bytes each worker sends over the whole run"]["rows"]
+    assert paper[0]["params"] == 214_983_680  # 150M: 215.0M parameters in total
+
+
+def test_outer_step(tmp_path):
+    record = run_tiny("bench_outer_step", tmp_path)
+    assert {r["impl"] for r in record["rows"]} == {"naive", "project"}
+    assert all(r["floor_s"] > 0 for r in record["rows"])
+
+
+def test_outer_step_implementations_agree():
+    """The naive per-parameter baseline computes what the project's DiLoCo.outer_step does."""
+    import threading
+
+    import torch
+
+    bench = load("bench_outer_step")
+    from diloco import comm
+
+    shapes = bench.model_shapes("micro")
+    finals = {}
+    for impl in ("project", "naive"):
+        group = comm.InProcessGroup(2, timeout_seconds=60)
+        workers = [bench.IMPLS[impl](shapes, group.member(r), "float32") for r in range(2)]
+        start = threading.Barrier(2)
+        for _ in range(3):
+            bench.run_round(workers, start)
+        finals[impl] = [p.detach().clone() for p in workers[0].params]
+    for a, b in zip(finals["project"], finals["naive"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_gpu_script_skips_cleanly_without_cuda(tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert load("bench_gpu").main(["--out", str(tmp_path)]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())  # nothing measured, nothing written
+
+
+def test_gpu_script_runs_on_cpu_at_tiny_size(tmp_path):
+    record = load("bench_gpu").main(["--tiny", "--allow-cpu", "--out", str(tmp_path)])
+    assert record == 0
+    out = json.loads(next(tmp_path.glob("gpu*.json")).read_text())
+    assert out["rows"][0]["tokens/s"] > 0 and out["flops"]["total"] > out["flops"]["dense"]
+    assert {o["global copy on"] for o in out["outer"]} == {"device", "cpu"}
+
+
+def test_boundary(tmp_path):
+    record = run_tiny("bench_boundary", tmp_path)
+    modes = {r["mode"] for r in record["rows"]}
+    assert modes == {"v2 (async upload)", "v2 before (delta + copy)", "v1 (sync upload)"}
+    for d in record["details"]:  # every measured boundary uploaded its delta through the throttled link
+        assert d["uploads"] >= 1 and d["bytes_uploaded"] >= d["delta_bytes"] > 0
+
+
+def test_throttled_transport_takes_size_over_bandwidth(tmp_path):
+    import time
+
+    from diloco.dumb_diloco.store.transport import DirectoryTransport
+
+    common = load("bench_common")
+    t = common.ThrottledTransport(DirectoryTransport(tmp_path / "repo"), bytes_per_s=1e6)
+    start = time.perf_counter()
+    t.write({"a/b.bin": b"x" * 100_000})
+    assert time.perf_counter() - start >= 0.1  # a lower bound only: 100 kB at 1 MB/s
+    assert t.read("a/b.bin") == b"x" * 100_000 and t.bytes_up == t.bytes_down == 100_000
+
+
+@pytest.mark.slow  # runs the real trainer end to end
+def test_utilization(tmp_path):
+    record = run_tiny("bench_utilization", tmp_path)
+    assert {r["mode"] for r in record["rows"]} == {"DiLoCo FP32", "DiLoCo int4 P=4 overlap", "DumbDiLoCo v2"}
+    for r in record["rows"]:
+        assert 0 < r["utilization"] <= 1
+
+
+def test_report_collects_every_record(tmp_path):
+    run_tiny("bench_wire", tmp_path)
+    (tmp_path / "FINDINGS.md").write_text("## Findings\n\nhand-written")
+    assert load("bench_report").main(["--out", str(tmp_path)]) == 0
+    readme = (tmp_path / "README.md").read_text()
+    assert "3. Wire format" in readme and "hand-written" in readme and "7. GPU**: not measured" in readme
+
+
+@pytest.mark.parametrize("name", ["bench_aggregation", "bench_node_memory"])
+def test_labelled_runs_are_kept_side_by_side(tmp_path, name):
+    """The before/after benchmarks keep each run under its label: a second label leaves the first."""
+    module, key = load(name), name.removeprefix("bench_")
+    for label in ("before", "after"):
+        assert module.main(["--tiny", "--out", str(tmp_path), "--label", label]) == 0
+    record = json.loads((tmp_path / f"{key}.json").read_text())
+    assert record["name"] == key and set(record["runs"]) == {"before", "after"}
+    for run in record["runs"].values():
+        assert run["machine"]["cpu"] and run["bench_commit"] and run["command"]
+    assert "before" in (tmp_path / f"{key}.md").read_text()
