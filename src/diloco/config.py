@@ -327,8 +327,14 @@ def check_distributed(block: Any) -> Any:
         _check_quantization(d, WIRE_DTYPES)
         _check_topk(d)
         _number("distributed.fragments", d.fragments, 1, strict=False, integer=True, hi=d.inner_steps + 1)
-        _number("distributed.overlap_steps", d.overlap_steps, 0, strict=False, integer=True, hi=d.inner_steps)
+        tau_max = d.inner_steps + 1 if d.eager_updates else d.inner_steps  # eager updates: tau = H
+        _number("distributed.overlap_steps", d.overlap_steps, 0, strict=False, integer=True, hi=tau_max)
         _number("distributed.fragment_alpha", d.fragment_alpha, 0, strict=False, hi=1)
+        if d.eager_updates and d.overlap_steps != d.inner_steps:
+            raise ConfigError(
+                "distributed.eager_updates overlaps the whole inner phase: it needs overlap_steps = "
+                f"inner_steps ({d.inner_steps}), got overlap_steps={d.overlap_steps}"
+            )
         _one_of("distributed.global_copy_device", d.global_copy_device, GLOBAL_COPY_DEVICES)
         _number("distributed.bucket_size_mb", d.bucket_size_mb, 0)
         _number("distributed.cosine_sample_size", d.cosine_sample_size, 0, strict=False, integer=True)

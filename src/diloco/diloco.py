@@ -24,8 +24,20 @@ Streaming DiLoCo (Douillard et al., arXiv 2501.18512, Sec. 2): with `fragments` 
 cut into P consecutive fragments and fragment f is synchronised every H steps at offset (f+1)H/P, so one
 sync sends 1/P of the model; with `overlap_steps` tau > 0 its outer step is applied tau inner steps after
 its pseudo-gradient was taken, merged as local <- alpha local + (1 - alpha) global (`fragment_alpha`).
-P=1, tau=0, alpha=0 is the algorithm above, bit for bit. Here the averaging still runs at the sync step;
-a transfer thread that hides it behind the tau steps is not built yet.
+P=1, tau=0, alpha=0 is the algorithm above, bit for bit. With one rank per worker the averaging runs on
+a transfer thread during those tau steps.
+
+Eager updates (Kale et al., arXiv 2502.12996, `eager_updates` with tau = H): the whole exchange of a
+fragment overlaps its next inner phase, and its outer step does not wait for it. Worker i steps with
+its own fresh pseudo-gradient standing in for its share of the mean, and the others' shares one round
+late, from the mean that arrived meanwhile:
+
+        eager_grad_i = mean_{t-1} - pseudo_grad_i,{t-1} / W + pseudo_grad_i,t / W
+        theta_t,i <- SGD_nesterov(theta_{t-1},i, eager_grad_i)     # then the fragment restarts from it
+
+so every contribution is applied once (the worker's own at once, the others' a round later; the first
+round has no mean yet: pseudo_grad_i,1 / W). The workers' global weights then differ by their own
+fresh shares; the last round's mean is never applied (it arrives after the run).
 """
 
 from __future__ import annotations
@@ -108,6 +120,7 @@ class _InFlight:
     grads: dict[int, torch.Tensor] | None = None  # bucket index -> mean pseudo-gradient [n], float32
     metrics: dict = field(default_factory=dict)
     future: Future | None = None
+    own: dict[int, torch.Tensor] | None = None  # eager updates: this worker's pseudo-gradient in the mean
 
     def wait(self) -> dict[int, torch.Tensor]:
         if self.future is not None:
@@ -143,6 +156,7 @@ class DiLoCo:
             "fragments",
             "overlap_steps",
             "fragment_alpha",
+            "eager_updates",
             "global_copy_device",
             "reset_inner_optimizer",
             "bucket_size_mb",
@@ -178,6 +192,7 @@ class DiLoCo:
         fragments: int = 1,
         overlap_steps: int = 0,
         fragment_alpha: float = 0.0,
+        eager_updates: bool = False,
         intra: comm.Collective | None = None,
         inner_strategy: DataParallel | None = None,  # DDP among the worker's ranks
     ):
@@ -199,6 +214,11 @@ class DiLoCo:
         # fragment f is synchronised at inner steps (f + 1) * H / P modulo H (P=1: every H steps)
         self._schedule = {(f + 1) * inner_steps // fragments % inner_steps: f for f in range(fragments)}
         self.overlap_steps, self.fragment_alpha = overlap_steps, fragment_alpha
+        if eager_updates and overlap_steps != inner_steps:
+            raise ValueError(
+                f"eager_updates needs overlap_steps = inner_steps ({inner_steps}), got {overlap_steps}"
+            )
+        self.eager_updates = eager_updates
         self._in_flight: list[_InFlight] = []
         # tau > 0, one rank per worker: the averaging runs on this thread during the next tau inner steps
         # (with G > 1 ranks it would race DDP's collectives on the worker's group: it blocks instead)
@@ -247,7 +267,8 @@ class DiLoCo:
 
     def after_inner_step(self, step: int) -> dict[str, float]:
         start = time.perf_counter()
-        due = [j for j in self._in_flight if j.apply_at == step]  # synced overlap_steps ago
+        # synced overlap_steps ago (eager updates: taken by the fragment's next outer step instead)
+        due = [] if self.eager_updates else [j for j in self._in_flight if j.apply_at == step]
         fragment = self._schedule.get(step % self.inner_steps)
         if not due and fragment is None:
             return {}
@@ -309,6 +330,8 @@ class DiLoCo:
         global weights now, or `overlap_steps` inner steps later (Streaming DiLoCo's overlap), the
         averaging itself then running on the transfer thread meanwhile (its metrics come with the apply)."""
         self.outer_round += 1
+        if self.eager_updates:
+            return self._eager_step(fragment, step)
         if self._transfer is not None:  # snapshot theta_{t-1} - theta_i now; the training goes on
             snapshot = {b: self._pseudo_grad(b, own=True) for b in self.fragments[fragment]}
             future = self._transfer.submit(self._average, fragment, snapshot)
@@ -320,6 +343,30 @@ class DiLoCo:
             return {}
         self._apply(fragment, grads)
         return metrics
+
+    def _eager_step(self, fragment: int, step: int) -> dict[str, float]:
+        """Eager updates (module docstring): send this round's pseudo-gradients, and step now with them
+        standing in for this worker's share of the mean and the last round's mean for the others'."""
+        last = next((j for j in self._in_flight if j.fragment == fragment), None)
+        if last is not None:
+            self._in_flight.remove(last)
+            mean = last.wait()  # sent H steps ago: the whole inner phase to arrive
+        w = self.num_workers
+        eager, own, snapshot = {}, {}, {}
+        for b in self.fragments[fragment]:
+            # the others' shares of the last mean first: the mean may live in the buffer refilled below
+            others = mean[b] - last.own[b] / w if last is not None else None
+            snapshot[b] = self._pseudo_grad(b, own=True)  # theta_{t-1} - theta_i, on every rank
+            own[b] = snapshot[b].to(self.global_params[b].device, copy=True)
+            eager[b] = own[b] / w if others is None else others.add_(own[b], alpha=1 / w)
+        if self._transfer is not None:
+            future = self._transfer.submit(self._average, fragment, snapshot)
+            job = _InFlight(step + self.overlap_steps, fragment, future=future, own=own)
+        else:  # G > 1 ranks per worker: averaged now (module docstring), used next round all the same
+            job = _InFlight(step + self.overlap_steps, fragment, *self._average(fragment, snapshot), own=own)
+        self._in_flight.append(job)
+        self._apply(fragment, eager)
+        return {**(last.metrics if last is not None else {}), "outer/eager": 1.0}
 
     def _pseudo_grad(self, b: int, own: bool) -> torch.Tensor:
         """Bucket b's buffer ([n] float32); with own, filled with theta_{t-1} - theta_i."""
@@ -415,7 +462,7 @@ class DiLoCo:
             "averager": self.averager.state_dict(),  # int8/int4/topk2: the error-feedback residuals
             "peak_bytes": self.peak_bytes,
             "in_flight": [
-                [j.apply_at, j.fragment, {b: g.cpu() for b, g in j.wait().items()}, j.metrics]
+                [j.apply_at, j.fragment, _cpu(j.wait()), j.metrics, _cpu(j.own) if j.own else None]
                 for j in self._in_flight
             ],
         }
@@ -431,12 +478,7 @@ class DiLoCo:
         self.averager.load_state_dict(state.get("averager", {}), self.device)
         self.peak_bytes = int(state.get("peak_bytes", 0))
         home = self.global_params[0].device
-        self._in_flight = [
-            _InFlight(
-                int(at), int(f), {int(b): g.to(home, copy=True) for b, g in grads.items()}, dict(metrics)
-            )
-            for at, f, grads, metrics in state.get("in_flight", [])
-        ]
+        self._in_flight = [_job_from_state(job, home) for job in state.get("in_flight", [])]
         self.outer_round, self.total_bytes = int(state["outer_round"]), int(state["total_bytes"])
         self.metric_bytes = int(state["metric_bytes"])
         seconds = [float(s) for s in state["seconds"]]
@@ -470,6 +512,29 @@ class DiLoCo:
 
     def _intra_bytes(self) -> int:  # this rank, inside its worker: DDP gradients + mean broadcasts
         return self.intra.sent.get("intra_worker", 0) + self._ddp_bytes()
+
+
+def _job_from_state(job: list, home: torch.device) -> _InFlight:
+    """An in-flight job as state_dict saved it: [apply_at, fragment, mean, metrics, own] (own: eager
+    updates only; checkpoints before eager updates have four fields)."""
+    apply_at, fragment, grads, metrics, *rest = job
+    own = rest[0] if rest else None
+    return _InFlight(
+        int(apply_at),
+        int(fragment),
+        _to(grads, home),
+        dict(metrics),
+        own=None if own is None else _to(own, home),
+    )
+
+
+def _cpu(tensors: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    return {b: t.cpu() for b, t in tensors.items()}
+
+
+def _to(tensors: dict, device: torch.device) -> dict[int, torch.Tensor]:
+    """A checkpoint's bucket -> tensor map on `device`, copied (never the checkpoint's own tensors)."""
+    return {int(b): t.to(device, copy=True) for b, t in tensors.items()}
 
 
 def _copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

@@ -167,6 +167,9 @@ class DiLoCoConfig:
     fragments: int = 1  # Streaming DiLoCo's P: fragment f syncs every H steps at offset (f+1)H/P
     overlap_steps: int = 0  # tau: a fragment's outer step is applied tau inner steps after its sync
     fragment_alpha: float = 0.0  # after the outer step: local <- alpha * local + (1 - alpha) * global
+    # Kale et al. 2025's eager updates (needs overlap_steps = inner_steps): step at once with this worker's
+    # fresh pseudo-gradient standing in for its share of the mean, the others' shares one round late
+    eager_updates: bool = False
     fp16_scaling: bool = (
         True  # float16: per-tensor power-of-two scale agreed by all workers; false = plain cast
     )

@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_comm import run_threads
 from test_diloco import TinyModel, diloco_for
-from trainer_utils import final_weights, read_metrics, train
+from trainer_utils import final_weights, read_metrics, resumed_equals_uninterrupted, train
 
 from diloco.comm import SoloCollective
 
@@ -189,3 +189,91 @@ def test_fragments_are_equal_runs_of_elements_and_views_of_the_parameters():
             t.fill_(i + 1)  # every piece writes into its own parameter
     assert torch.equal(torch.cat([p.reshape(-1) for p in params]), torch.cat([t.reshape(-1) for t in pieces]))
     assert all(t is p or t._base is p for t, p in zip(pieces, [params[0]] * 3 + [params[1]] * 2))
+
+
+# ---------------------------------------------------------------------------------- eager updates
+
+
+def by_hand_eager(fragments: int, alpha: float, lr=0.7, mu=0.9, steps=13, inner_steps=H) -> list:
+    """Eager updates (Kale et al., arXiv 2502.12996) by hand: each worker keeps its own global weights and
+    outer SGD; at a fragment's sync it steps with mean_{t-1} - own_{t-1} / W + own_t / W, the mean of this
+    sync arriving at the next one (tau = H)."""
+    theta0 = [p.detach().clone() for p in TinyModel().parameters()]
+    flat0 = torch.cat([t.reshape(-1) for t in theta0])
+    bounds = [f * flat0.numel() // fragments for f in range(fragments + 1)]
+
+    def cut(x: torch.Tensor) -> list[torch.Tensor]:
+        return [c.clone() for c in x.split([bounds[f + 1] - bounds[f] for f in range(fragments)])]
+
+    glob = [cut(flat0) for _ in range(W)]
+    sgd = [torch.optim.SGD(g, lr=lr, momentum=mu, nesterov=True) for g in glob]
+    local = [cut(flat0) for _ in range(W)]
+    offsets = {(f + 1) * inner_steps // fragments % inner_steps: f for f in range(fragments)}
+    last: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # fragment -> (mean, each worker's own)
+    for step in range(1, steps + 1):
+        for w in range(W):
+            d = cut(torch.cat([m.reshape(-1) for m in moves(w, step)]))
+            local[w] = [t - dt for t, dt in zip(local[w], d)]
+        f = offsets.get(step % inner_steps)
+        if f is None:
+            continue
+        own = [glob[w][f] - local[w][f] for w in range(W)]
+        for w in range(W):
+            eager = own[w] / W if f not in last else last[f][0] - last[f][1][w] / W + own[w] / W
+            for i, g in enumerate(glob[w]):
+                g.grad = eager if i == f else None
+            sgd[w].step()
+            local[w][f] = alpha * local[w][f] + (1 - alpha) * glob[w][f] if alpha else glob[w][f].clone()
+        last[f] = (sum(own) / W, own)
+    sizes = [t.numel() for t in theta0]
+    return [[v.view_as(t) for v, t in zip(torch.cat(lw).split(sizes), theta0)] for lw in local]
+
+
+@pytest.mark.parametrize("fragments,alpha", [(1, 0.0), (2, 0.0), (4, 0.5)])
+def test_eager_updates_follow_the_algorithm(fragments, alpha):
+    """Each worker's weights after 13 steps (3 rounds per fragment, the exchange on the transfer thread)
+    equal the by-hand eager updates, which differ from the same run without them."""
+    models = [TinyModel() for _ in range(W)]
+
+    def worker(w, coll):
+        model = models[w]
+        opts = dict(inner_steps=H, fragments=fragments, overlap_steps=H, fragment_alpha=alpha)
+        algo, _ = diloco_for(model, coll, eager_updates=True, **opts)
+        for step in range(1, 14):
+            with torch.no_grad():
+                for p, d in zip(model.parameters(), moves(w, step)):
+                    p.sub_(d)
+            algo.after_inner_step(step)
+        algo.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    ours, ref = run_threads(W, worker, timeout=60), by_hand_eager(fragments, alpha)
+    for a_list, b_list in zip(ours, ref):
+        for a, b in zip(a_list, b_list):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    lazy = by_hand(fragments, H, alpha, steps=13)
+    assert not all(torch.allclose(a, b, atol=1e-4) for a, b in zip(ours[0], lazy[0]))
+
+
+def test_eager_updates_need_the_whole_inner_phase_overlapped():
+    with pytest.raises(ValueError, match="overlap_steps = inner_steps"):
+        diloco_for(TinyModel(), SoloCollective(), inner_steps=4, overlap_steps=2, eager_updates=True)
+
+
+def test_resumed_eager_run_equals_uninterrupted_bit_for_bit(tmp_path):
+    """Stopped with both fragments' exchanges in flight (and their own pseudo-gradients), resumed."""
+    opts = ["distributed=diloco", "distributed.cosine_sample_size=0", "distributed.inner_steps=4"]
+    opts += ["distributed.fragments=2", "distributed.overlap_steps=4", "distributed.eager_updates=true"]
+    state = resumed_equals_uninterrupted(tmp_path, opts, stop=6, steps=10)
+    assert [job[4] is not None for job in state["in_flight"]] == [True, True]
+
+
+def test_eager_updates_without_the_whole_phase_overlapped_is_one_config_line():
+    from trainer_utils import compose_cfg
+
+    from diloco.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="needs overlap_steps = inner_steps") as err:
+        validate(compose_cfg(["experiment=tiny/diloco_stream_p4_eager", "distributed.overlap_steps=3"]))
+    assert "\n" not in str(err.value)
+    assert validate(compose_cfg(["experiment=tiny/diloco_stream_p4_eager"])).distributed.overlap_steps == 25
