@@ -326,6 +326,7 @@ def check_distributed(block: Any) -> Any:
         _number("distributed.outer_momentum", d.outer_momentum, 0, strict=False, hi=1)
         _check_quantization(d, WIRE_DTYPES)
         _check_topk(d)
+        _one_of("distributed.topk_normalize", d.topk_normalize, ("none", "median"))
         _number("distributed.fragments", d.fragments, 1, strict=False, integer=True, hi=d.inner_steps + 1)
         tau_max = d.inner_steps + 1 if d.eager_updates else d.inner_steps  # eager updates: tau = H
         _number("distributed.overlap_steps", d.overlap_steps, 0, strict=False, integer=True, hi=tau_max)
@@ -359,12 +360,12 @@ def _check_quantization(d: Any, dtypes: tuple[str, ...]) -> None:
 
 
 def _check_topk(d: Any) -> None:
-    """DiLoCo's sparse format (diloco.sparse): always with error feedback, k >= 1 of <= 4,096 per chunk."""
+    """The sparse format (diloco.sparse) of DiLoCo and DumbDiLoCo: always with error feedback, k >= 1 of
+    <= 4,096 per chunk."""
     _number("distributed.topk_density", d.topk_density, 0)
     if d.topk_density > 1:
         raise ConfigError(f"distributed.topk_density must be in (0, 1], got {d.topk_density!r}")
     _number("distributed.topk_chunk", d.topk_chunk, 1, strict=False, integer=True, hi=4097)
-    _one_of("distributed.topk_normalize", d.topk_normalize, ("none", "median"))
     if d.pseudo_grad_dtype == "topk2" and d.error_feedback is False:
         raise ConfigError(
             "distributed.error_feedback=false cannot go with pseudo_grad_dtype topk2 "
@@ -412,7 +413,8 @@ def check_dumb_diloco(d: Any) -> None:
     _number("distributed.timeout_seconds", d.timeout_seconds, 0)
     _one_of("distributed.install", d.install, ("replace", "translate"))
     _one_of("distributed.budget", d.budget, ("local", "global"))
-    _check_quantization(d, ("float32", "int8", "int4"))  # what the master decodes (delta_codec)
+    _check_quantization(d, ("float32", "int8", "int4", "topk2"))  # what the master decodes (delta_codec)
+    _check_topk(d)
     if d.install_when_staged and d.install != "translate":
         raise ConfigError(
             "distributed.install_when_staged needs distributed.install=translate "

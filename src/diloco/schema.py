@@ -255,9 +255,13 @@ class DumbDiLoCoConfig:
     # updates, arXiv 2401.09135), so a slow node's deltas arrive with the others' (dumb_diloco/node/progress.py)
     dynamic_local_steps: bool = False
     # deltas on the wire (issue 13; dumb_diloco/wire/delta_codec.py): float32 | int8 | int4 (diloco.quant)
+    # | topk2 (diloco.sparse, issue 32)
     pseudo_grad_dtype: str = "float32"
-    error_feedback: Optional[bool] = None  # int8/int4: on unless false; the node keeps what quantization lost
+    # int8/int4: on unless false; the node keeps what quantization lost (topk2: always; false is refused)
+    error_feedback: Optional[bool] = None
     quant_block_size: int = 256  # int8/int4: elements per bfloat16 scale (even, >= 2)
+    topk_density: float = 0.015625  # topk2: the fraction of each chunk sent (SparseLoCo's 64 of 4,096)
+    topk_chunk: int = 4096  # topk2: values per chunk of each tensor (at most 4,096: 12-bit in-chunk indices)
     # a node of G ranks (torchrun --nproc_per_node G): a collective inside the node that waits longer fails
     # it; at least drain_timeout + shutdown_timeout, which the node's other ranks may wait for its rank 0
     timeout_seconds: float = 2400

@@ -103,7 +103,7 @@ class DumbDiLoCo:
         self.delta_keys = list(delta_layout(state))
         self.translating = settings.install == "translate"
         self.codec = DeltaCodec.from_settings(settings)  # float32, or int8/int4 with error feedback
-        self.buffers = Buffers(state, self.delta_keys, float32_wire=self.codec.bits is None)  # lanes.py
+        self.buffers = Buffers(state, self.delta_keys, float32_wire=not self.codec.lossy)  # lanes.py
         size = sum(t.nbytes for t in state.values())
         self.max_file_bytes = settings.max_file_bytes or 2 * size + 16 * 2**20
         self.state_dir = Path(settings.state_dir).expanduser() / settings.node_id
@@ -635,7 +635,7 @@ class DumbDiLoCo:
         }
         if stall is not None:
             m["comm/boundary_stall_seconds"] = stall
-        if self.codec.bits:  # ||Q(v) - v|| / ||v|| of the last delta encoded (like DiLoCo's)
+        if self.codec.lossy:  # ||Q(v) - v|| / ||v|| of the last delta encoded (like DiLoCo's)
             m["comm/cast_rel_error"] = self.codec.rel_error
         if self.master is not None:
             m |= self.master.metrics()

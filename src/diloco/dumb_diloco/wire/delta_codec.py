@@ -1,11 +1,14 @@
-"""DumbDiLoCo deltas on the wire as float32, int8 or int4 (`pseudo_grad_dtype`, issue 13), with error
-feedback on the node. The quantizer is synchronous DiLoCo's (diloco.quant): blockwise codes with one
-bfloat16 scale per `quant_block_size` elements.
+"""DumbDiLoCo deltas on the wire as float32, int8, int4 (`pseudo_grad_dtype`, issue 13) or topk2 (issue 32),
+with error feedback on the node. The quantizer is synchronous DiLoCo's (diloco.quant): blockwise codes with
+one bfloat16 scale per `quant_block_size` elements; topk2 is synchronous DiLoCo's sparse format
+(diloco.sparse): per chunk of `topk_chunk` values the k largest as 2-bit codes with 12-bit indices.
 
 Wire format of a quantized delta: for every tensor name of the float32 delta, one uint8 tensor of
 shape [payload_bytes(numel, bits, block)], `quant.quantize` of the flattened tensor (codes, then the
-scales); the metadata says `dtype` int8 | int4 and `quant_block_size` (tensor_format.DeltaMeta). A float32
-delta is written exactly as before (no block size in its header).
+scales); the metadata says `dtype` int8 | int4 and `quant_block_size` (tensor_format.DeltaMeta). A topk2
+delta: for every tensor name one uint8 tensor of shape [sparse.payload_bytes(numel, chunk, k)], the
+flattened tensor zero-padded to whole chunks and encoded by `sparse.encode_`; the metadata says `topk_chunk`
+and `topk_k`. A float32 delta is written exactly as before (no block size in its header).
 
 Node (`DeltaCodec`): v = delta + residual; payload = quant.encode(v); the residual after it is v - Q(v),
 committed only once the upload succeeded. A failed upload leaves the residual as it was and its
@@ -15,7 +18,8 @@ difference of deltas, not a position: install.translate does not shift it.
 
 Master (`wire_layout`, `to_float32`): the layout a file in its announced format must have, checked by
 tensor_format.decode before anything is used, then each payload dequantized to float32 in the model
-tensor's shape; NaN or Inf (a hostile scale) rejects the file.
+tensor's shape; NaN or Inf (a hostile scale) rejects the file, and so does a topk2 chunk whose indices are
+not unique or not inside the chunk (they would add twice, or into another chunk).
 """
 
 from __future__ import annotations
@@ -25,17 +29,24 @@ import math
 
 import torch
 
+from diloco import sparse
 from diloco.quant import QUANT_BITS, dequantize, payload_bytes
 from diloco.quant import encode as quant_encode
 
-from .tensor_format import DeltaMeta, InvalidTensorFile, encode
+from .tensor_format import TOPK_DTYPE, DeltaMeta, InvalidTensorFile, encode
 
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
-WIRE_DTYPES = ("float32", "int8", "int4")  # what the master decodes (config.check_dumb_diloco's choices)
+WIRE_DTYPES = ("float32", "int8", "int4", TOPK_DTYPE)  # what the master decodes (config.check_dumb_diloco's)
 
 
 def wire_layout(layout: Layout, meta: DeltaMeta) -> Layout:
     """(shape, dtype) of every tensor of a delta file in `meta`'s format, for the float32 `layout`."""
+    if meta.dtype == TOPK_DTYPE:
+        size = {
+            k: sparse.payload_bytes(math.prod(s), meta.topk_chunk, meta.topk_k)
+            for k, (s, _) in layout.items()
+        }
+        return {k: ((n,), torch.uint8) for k, n in size.items()}
     if meta.dtype not in QUANT_BITS:
         return layout
     bits, block = QUANT_BITS[meta.dtype], meta.quant_block_size
@@ -44,15 +55,14 @@ def wire_layout(layout: Layout, meta: DeltaMeta) -> Layout:
 
 def to_float32(tensors: dict[str, torch.Tensor], meta: DeltaMeta, layout: Layout) -> dict[str, torch.Tensor]:
     """The float32 delta of a file `decode` validated against `wire_layout(layout, meta)`. Raises
-    InvalidTensorFile if a quantized tensor decodes to NaN or Inf."""
-    if meta.dtype not in QUANT_BITS:
+    InvalidTensorFile if a quantized tensor decodes to NaN or Inf, or a topk2 chunk's indices are bad."""
+    if meta.dtype not in QUANT_BITS and meta.dtype != TOPK_DTYPE:
         return tensors
-    bits, block, out = QUANT_BITS[meta.dtype], meta.quant_block_size, {}
+    out = {}
     for k, (shape, _) in layout.items():
-        n = math.prod(shape)
-        x = torch.empty(shape)
-        if n:
-            dequantize(tensors[k], n, bits, block, out=x.view(-1))
+        x = _topk_to_float32(k, tensors[k], shape, meta) if meta.dtype == TOPK_DTYPE else torch.empty(shape)
+        if meta.dtype in QUANT_BITS and x.numel():
+            dequantize(tensors[k], x.numel(), QUANT_BITS[meta.dtype], meta.quant_block_size, out=x.view(-1))
         if not bool(torch.isfinite(x).all()):
             raise InvalidTensorFile(
                 f"tensor {k!r}: its {meta.dtype} payload decodes to NaN or Inf (bad scales)"
@@ -61,24 +71,57 @@ def to_float32(tensors: dict[str, torch.Tensor], meta: DeltaMeta, layout: Layout
     return out
 
 
-class DeltaCodec:
-    """A node's encoder: float32 deltas as they are; int8/int4 with error feedback (module docstring)."""
+def _topk_to_float32(
+    name: str, payload: torch.Tensor, shape: tuple[int, ...], meta: DeltaMeta
+) -> torch.Tensor:
+    """A topk2 payload of a tensor of `shape`, decoded, once every chunk's indices are inside the chunk and
+    unique (a repeated index would add twice; the file's size already fixed k per chunk)."""
+    n, chunk, k = math.prod(shape), meta.topk_chunk, meta.topk_k
+    idx, _ = sparse.unpack(payload, sparse.num_chunks(n, chunk), k)
+    if bool((idx >= chunk).any()):
+        raise InvalidTensorFile(f"tensor {name!r}: a topk2 index is outside its chunk of {chunk}")
+    ordered = idx.sort(dim=1).values
+    if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+        raise InvalidTensorFile(f"tensor {name!r}: a topk2 chunk repeats an index")
+    return sparse.decode(payload, n, chunk, k).view(shape)
 
-    def __init__(self, dtype: str = "float32", block: int = 256, error_feedback: bool | None = None):
+
+class DeltaCodec:
+    """A node's encoder: float32 deltas as they are; int8/int4/topk2 with error feedback (module docstring)."""
+
+    def __init__(
+        self,
+        dtype: str = "float32",
+        block: int = 256,
+        error_feedback: bool | None = None,
+        topk_density: float = 1 / 64,
+        topk_chunk: int = sparse.MAX_CHUNK,
+    ):
         if dtype not in WIRE_DTYPES:
             raise ValueError(f"pseudo_grad_dtype must be one of {WIRE_DTYPES}, got {dtype!r}")
         self.dtype, self.block, self.bits = dtype, block, QUANT_BITS.get(dtype)
-        self.error_feedback = self.bits is not None and error_feedback is not False
+        self.topk = dtype == TOPK_DTYPE
+        if self.topk and error_feedback is False:
+            raise ValueError("pseudo_grad_dtype topk2 needs error_feedback (it drops most of every delta)")
+        self.chunk, self.k = topk_chunk, sparse.topk_count(topk_density, topk_chunk)
+        self.error_feedback = self.lossy and error_feedback is not False
         self.residual: dict[str, torch.Tensor] = {}  # float32, the deltas' shapes; what no upload carried yet
         self.rel_error = 0.0  # ||Q(v) - v|| / ||v|| of the last delta encoded
 
+    @property
+    def lossy(self) -> bool:
+        """int8/int4/topk2: what a delta's file holds is not the delta (rel_error says how far)."""
+        return self.bits is not None or self.topk
+
     @classmethod
     def from_settings(cls, s) -> DeltaCodec:
-        return cls(s.pseudo_grad_dtype, s.quant_block_size, s.error_feedback)
+        return cls(s.pseudo_grad_dtype, s.quant_block_size, s.error_feedback, s.topk_density, s.topk_chunk)
 
     def encode(self, delta: dict[str, torch.Tensor], meta: DeltaMeta) -> tuple[bytes, dict | None]:
         """The file of `delta` (not modified) in this format, and the residual to `commit` once it is
         uploaded (None without error feedback)."""
+        if self.topk:
+            return self._encode_topk(delta, meta)
         if self.bits is None:
             return encode(delta, meta.to_header()), None
         meta = dataclasses.replace(meta, dtype=self.dtype, quant_block_size=self.block)
@@ -92,6 +135,23 @@ class DeltaCodec:
             sq_norm, sq_err = sq_norm + sq, sq_err + se
         self.rel_error = math.sqrt(sq_err / sq_norm) if sq_norm > 0 else 0.0
         return encode(payloads, meta.to_header()), residual if self.error_feedback else None
+
+    def _encode_topk(self, delta: dict[str, torch.Tensor], meta: DeltaMeta) -> tuple[bytes, dict]:
+        """topk2: v = delta + residual per tensor, zero-padded to whole chunks; sparse.encode_ leaves
+        v - decoded(payload) in the padded buffer, whose first numel values are the new residual."""
+        meta = dataclasses.replace(meta, dtype=self.dtype, topk_chunk=self.chunk, topk_k=self.k)
+        payloads, residual, sq_norm, sq_err = {}, {}, 0.0, 0.0
+        for name, d in delta.items():
+            n = d.numel()
+            y = torch.zeros(sparse.num_chunks(n, self.chunk) * self.chunk)
+            y[:n].copy_(d.reshape(-1))
+            if name in self.residual:
+                y[:n].add_(self.residual[name].reshape(-1))
+            payloads[name], (sq, se, _) = sparse.encode_(y.view(-1, self.chunk), self.k, n)
+            residual[name] = y[:n].view(d.shape)
+            sq_norm, sq_err = sq_norm + sq, sq_err + se
+        self.rel_error = math.sqrt(sq_err / sq_norm) if sq_norm > 0 else 0.0
+        return encode(payloads, meta.to_header()), residual
 
     def commit(self, residual: dict[str, torch.Tensor] | None) -> None:
         """The upload of the delta that gave `residual` succeeded: from now on it is the residual."""

@@ -83,8 +83,10 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 _DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
 
 _INT_FIELDS = ("local_step", "base_outer_step", "tokens_since_baseline", "samples_since_baseline")
-_DELTA_DTYPES = ("float32", "bfloat16", "float16", "float64", "int8", "int4")
+_DELTA_DTYPES = ("float32", "bfloat16", "float16", "float64", "int8", "int4", "topk2")
 QUANT_DTYPES = ("int8", "int4")  # diloco.quant's blockwise codes: one uint8 payload per tensor
+TOPK_DTYPE = "topk2"  # diloco.sparse's top-k 2-bit values and indices: one uint8 payload per tensor
+MAX_TOPK_CHUNK = 4096  # in-chunk indices are 12 bits (diloco.sparse.MAX_CHUNK)
 
 
 class InvalidTensorFile(ValueError):
@@ -141,6 +143,8 @@ class DeltaMeta:
     payload_sha256: str = ""  # filled in by `encode`; read back by `from_header`
     format_version: str = FORMAT_VERSION
     quant_block_size: int = 0  # int8/int4: elements per bfloat16 scale (even, >= 2); 0 (unwritten) else
+    topk_chunk: int = 0  # topk2: values per chunk (1..4096); 0 (unwritten) else
+    topk_k: int = 0  # topk2: values kept per chunk (1..topk_chunk); 0 (unwritten) else
     step_micros: int = 0  # the node's busy microseconds per step (dynamic local steps); 0: unknown, unwritten
 
     def __post_init__(self) -> None:
@@ -160,6 +164,7 @@ class DeltaMeta:
         q = self.dtype in QUANT_DTYPES
         if type(b := self.quant_block_size) is not int or (b < 2 or b % 2 if q else b != 0):
             raise ValueError(f"quant_block_size must be {'even, >= 2' if q else 0} for {self.dtype}: {b!r}")
+        self._check_topk()
         try:
             datetime.fromisoformat(self.created_at.replace("Z", "+00:00"))
         except (TypeError, ValueError):
@@ -169,9 +174,26 @@ class DeltaMeta:
         if self.format_version != FORMAT_VERSION:
             raise ValueError(f"unsupported format_version {self.format_version!r}")
 
+    def _check_topk(self) -> None:
+        """topk2: a chunk of 1..4096 values with 1..chunk of them kept; every other dtype: both 0."""
+        chunk, k = self.topk_chunk, self.topk_k
+        if type(chunk) is not int or type(k) is not int:
+            raise ValueError(f"topk_chunk and topk_k must be ints, got {chunk!r} and {k!r}")
+        if self.dtype != TOPK_DTYPE:
+            if chunk or k:
+                raise ValueError(f"topk_chunk and topk_k must be 0 for {self.dtype}")
+        elif not (1 <= chunk <= MAX_TOPK_CHUNK and 1 <= k <= chunk):
+            raise ValueError(f"topk2 needs 1 <= topk_k <= topk_chunk <= {MAX_TOPK_CHUNK}, got {k} of {chunk}")
+
     def to_header(self) -> dict[str, str]:
         """Every field as a string under its own name (`__metadata__`); payload_sha256 once it is set."""
-        drop = {"quant_block_size": self.dtype not in QUANT_DTYPES, "step_micros": not self.step_micros}
+        topk = self.dtype == TOPK_DTYPE
+        drop = {
+            "quant_block_size": self.dtype not in QUANT_DTYPES,
+            "topk_chunk": not topk,
+            "topk_k": not topk,
+            "step_micros": not self.step_micros,
+        }
         return {name: str(v) for name, v in asdict(self).items() if not drop.get(name) and v != ""}
 
     @classmethod
@@ -181,8 +203,9 @@ class DeltaMeta:
             if not isinstance(meta.get(key), str):
                 raise InvalidTensorFile(f"metadata field {key!r} is missing")
         ints = _INT_FIELDS + (("quant_block_size",) if meta["dtype"] in QUANT_DTYPES else ())
+        ints += ("topk_chunk", "topk_k") if meta["dtype"] == TOPK_DTYPE else ()
         ints += ("step_micros",) if "step_micros" in meta else ()
-        skip = (*ints, "quant_block_size")  # a float delta's block size means nothing
+        skip = (*ints, "quant_block_size", "topk_chunk", "topk_k")  # meaningless for another dtype
         strings = {f.name: meta[f.name] for f in fields(cls) if f.name in meta and f.name not in skip}
         try:
             return cls(**strings, **{name: _parse_nonneg_int(meta, name) for name in ints})
