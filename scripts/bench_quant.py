@@ -1,4 +1,4 @@
-"""Benchmark (issue #13): int8 / 4-bit encoding with error feedback against this machine's memory bandwidth.
+"""Benchmark (issues #13, #32): int8 / 4-bit / topk2 encoding with error feedback against memory bandwidth.
 
 One worker's share of a round for one bucket of N float32 elements, through the project's own code
 (`diloco.quant`): add the residual, quantize (blockwise absmax, bfloat16 scales), decode what was sent,
@@ -11,7 +11,10 @@ bytes read + written per second), p the payload bytes:
     encode with error feedback   read pseudo-grad 4N, read residual 4N, write residual 4N, write p
     decode one payload           read p, add into the mean: read 4N, write 4N
 
-Target (issue #13): at most 2x the floor. Nothing is asserted; `make bench` reports.
+topk2 (`diloco.sparse`, eager torch ops only: no C kernel) is timed the same way: carry + pseudo-grad, the
+chunks' top-k, codes, indices and levels, the carry left behind; and decoding one payload into the mean.
+
+Target (issues #13, #32): at most 2x the floor. Nothing is asserted; `make bench` reports.
 
     python scripts/bench_quant.py            # a 128 MB bucket (the default bucket_size_mb), ~1 minute
     python scripts/bench_quant.py --tiny
@@ -24,6 +27,7 @@ import os
 import bench_common as bc
 import torch
 
+from diloco import sparse
 from diloco.comm import SoloCollective
 from diloco.quant import QuantizedAverager, dequantize, payload_bytes
 from diloco.quant_kernel import kernel
@@ -64,6 +68,43 @@ def measure_dtype(dtype: str, bits: int, pseudo_grad: torch.Tensor, path: str, a
     return rows
 
 
+def measure_topk(pseudo_grad: torch.Tensor, args) -> list[dict]:
+    """topk2 at SparseLoCo's 64 of 4,096 (the eager torch path: topk2 has no C kernel)."""
+    n, chunk, k = pseudo_grad.numel(), sparse.MAX_CHUNK, 64
+    avg = sparse.TopKAverager(SoloCollective(), density=k / chunk, chunk=chunk)
+    carry = avg.carry(0, n, pseudo_grad.device)
+    carry[:n].copy_(torch.randn(n) * 1e-5)
+
+    def encode():  # what TopKAverager.average_ does before the all-gather
+        carry[:n].add_(pseudo_grad)
+        return sparse.encode_(carry.view(-1, chunk), k, n)
+
+    payload_n = sparse.payload_bytes(n, chunk, k)
+    bw = bc.copy_bandwidth(nbytes=4 * n, repeats=3)["gb_per_s"] * bc.GB
+    timed = bc.measure(encode, args.repeats, args.warmup)
+    payload, _ = encode()
+    mean = torch.zeros_like(carry)
+    decoded = bc.measure(lambda: sparse.decode_add_(payload, chunk, k, mean), args.repeats, args.warmup)
+    steps = (
+        ("encode + error feedback", timed, 12 * n + payload_n),
+        ("decode one payload into the mean", decoded, payload_n + 8 * n),
+    )
+    return [
+        {
+            "dtype": "topk2",
+            "kernel": "torch",
+            "step": what,
+            "elements": n,
+            "payload bytes": payload_n,
+            "seconds": m["median"],
+            "floor s": floor_bytes / bw,
+            "x floor": m["median"] / (floor_bytes / bw),
+            "copy GB/s": bw / bc.GB,
+        }
+        for what, m, floor_bytes in steps
+    ]
+
+
 def main(argv=None) -> int:
     p = bc.parser(__doc__.splitlines()[0], repeats=5)
     p.add_argument("--mb", type=float, default=128, help="bucket size in float32 MB")
@@ -80,13 +121,14 @@ def main(argv=None) -> int:
         for r in measure_dtype(dtype, bits, pseudo_grad, path, args)
     ]
     os.environ.pop("DILOCO_QUANT_KERNEL")
+    rows += measure_topk(pseudo_grad, args)
     verdicts = [
         f"{r['dtype']} {r['step']} ({r['kernel']}): {r['x floor']:.1f}x the bandwidth floor (target <= 2.0x): "
         + ("met" if r["x floor"] <= 2.0 else "NOT met")
         for r in rows
-        if r["kernel"] == paths[0]
+        if r["kernel"] == paths[0] or r["dtype"] == "topk2"
     ]
-    bc.write("quant", "int8 / 4-bit encoding vs memory bandwidth", args, rows, verdicts=verdicts)
+    bc.write("quant", "int8 / 4-bit / topk2 encoding vs memory bandwidth", args, rows, verdicts=verdicts)
     return 0
 
 
