@@ -1,18 +1,19 @@
-"""Issue 13's acceptance record: compressed pseudo-gradients and streaming fragments against FP32 DiLoCo
-in the tiny family, per seed.
+"""Issue 13's and issue 32's acceptance records: compressed pseudo-gradients, streaming fragments, sparse
+2-bit pseudo-gradients and eager updates against FP32 DiLoCo in the tiny family, per seed.
 
     python scripts/compression_acceptance.py --runs runs/cmp --seeds 1337 1 --out results/tiny-compress
+    python scripts/compression_acceptance.py --family tiny-frontier --runs runs/frontier --dumb --out results/tiny-frontier
 
 reads `<runs>-s<seed>/<run_name>/summary.json` and `metrics.jsonl` of every config below, as made by
 
-    python scripts/replicate.py --family tiny-compress --runs <runs>-s<seed> --override seed=<seed>
+    python scripts/replicate.py --family <family> --runs <runs>-s<seed> --override seed=<seed>
 
 and writes <out>/summary.json and <out>/table.md: held-out perplexity per seed, mean and spread, the
 gap of the means to FP32, bytes per round and peak bytes per sync against FP32 (measured, from the
 summaries), the mean relative L2 quantization error per round, and a verdict per bar of the issue.
 A perplexity bar is one-sided: a config passes when its mean is at most the bar above FP32's. Runs
 must be of a clean commit (a dirty one is refused); the record names every run's commit.
-With `--dumb`, DumbDiLoCo (tiny/dumb_diloco and tiny/dumb_diloco_int4, the master's final global) too.
+With `--dumb`, DumbDiLoCo (tiny/dumb_diloco and its compressed variant, the master's final global) too.
 """
 
 from __future__ import annotations
@@ -29,13 +30,28 @@ import bench_common as bc
 ROOT = Path(__file__).resolve().parents[1]
 BASE = "tiny-diloco-fp32"
 # run name: (what, perplexity bar against FP32, bytes per round at least this much fewer, peak bar)
-BARS = {
-    "tiny-diloco-int8": ("int8 + error feedback", 0.005, 3.97, None),
-    "tiny-diloco-int4": ("4-bit + error feedback", 0.01, 7.88, None),
-    "tiny-diloco-stream-p4": ("Streaming, P=4 (FP32)", 0.01, None, 4.0),
-    "tiny-diloco-stream-p4-int4": ("Streaming, P=4, tau=1, alpha=0.5, 4-bit", None, None, None),
+FAMILIES = {
+    "tiny-compress": {
+        "tiny-diloco-int8": ("int8 + error feedback", 0.005, 3.97, None),
+        "tiny-diloco-int4": ("4-bit + error feedback", 0.01, 7.88, None),
+        "tiny-diloco-stream-p4": ("Streaming, P=4 (FP32)", 0.01, None, 4.0),
+        "tiny-diloco-stream-p4-int4": ("Streaming, P=4, tau=1, alpha=0.5, 4-bit", None, None, None),
+    },
+    # issue 32: topk2 at <= 0.5 bits per parameter (>= 64x fewer bytes than FP32) within 1%; eager updates
+    # (P=4, the whole phase overlapped) within 1% of non-overlapped DiLoCo at the same format (FP32)
+    "tiny-frontier": {
+        "tiny-diloco-topk2": ("topk2 (64 of 4,096, 2-bit) + error feedback", 0.01, 64.0, None),
+        "tiny-diloco-stream-p4": ("Streaming, P=4 (FP32), not overlapped", 0.01, None, 4.0),
+        "tiny-diloco-stream-p4-eager": ("Streaming, P=4, eager updates (tau = H), FP32", 0.01, None, 4.0),
+    },
 }
-DUMB = {"float32": "tiny-dumb-diloco-node-0", "int4": "tiny-dumb-diloco-int4-node-0"}
+BARS = FAMILIES["tiny-compress"]
+# DumbDiLoCo: the FP32 run, its compressed variant, and how many times fewer bytes a delta file must be
+DUMB_FAMILIES = {
+    "tiny-compress": ({"float32": "tiny-dumb-diloco-node-0", "int4": "tiny-dumb-diloco-int4-node-0"}, None),
+    "tiny-frontier": ({"float32": "tiny-dumb-diloco-node-0", "topk2": "tiny-dumb-diloco-topk2-node-0"}, 60.0),
+}
+DUMB = DUMB_FAMILIES["tiny-compress"][0]
 
 
 def read(run_dir: Path) -> dict:
@@ -58,16 +74,16 @@ def spread(values: list[float]) -> dict:
     return {"per_seed": values, "mean": statistics.fmean(values), "spread": max(values) - min(values)}
 
 
-def judge(prefix: str, seeds: list[int]) -> dict:
+def judge(prefix: str, seeds: list[int], bars: dict = BARS) -> dict:
     runs = {
         name: [read(Path(f"{prefix}-s{seed}") / name) for seed in seeds]
-        for name in [BASE, *BARS]
+        for name in [BASE, *bars]
         if all((Path(f"{prefix}-s{seed}") / name / "summary.json").exists() for seed in seeds)
     }
     base = runs[BASE]
     ppl0 = spread([r["final_eval_perplexity"] for r in base])
     rows = {BASE: {"what": "FP32 (the baseline)", "ppl": ppl0, "runs": base}}
-    for name, (what, ppl_bar, bytes_bar, peak_bar) in BARS.items():
+    for name, (what, ppl_bar, bytes_bar, peak_bar) in bars.items():
         if name not in runs:
             continue
         rs = runs[name]
@@ -91,17 +107,20 @@ def judge(prefix: str, seeds: list[int]) -> dict:
     return rows
 
 
-def dumb(prefix: str, seeds: list[int]) -> dict:
-    """DumbDiLoCo in FP32 and in int4: the master's final perplexity, bytes its node uploaded."""
+def dumb(prefix: str, seeds: list[int], names: dict = DUMB, fewer_bar: float | None = None) -> dict:
+    """DumbDiLoCo in FP32 and compressed (`names`: float32 first): the master's final perplexity and the
+    bytes of its node's delta file; within 1% of FP32 (and, with fewer_bar, that many times fewer bytes)."""
     out = {}
-    for kind, name in DUMB.items():
+    for kind, name in names.items():
         rs = [read(Path(f"{prefix}-s{seed}") / name) for seed in seeds]
         out[kind] = {"ppl": spread([r["final_eval_perplexity"] for r in rs]), "runs": rs}
-    gap = out["int4"]["ppl"]["mean"] / out["float32"]["ppl"]["mean"] - 1
-    out["gap_of_means"], out["verdict"] = gap, "PASS" if gap <= 0.01 else "FAIL"
+    small = list(names)[1]
+    gap = out[small]["ppl"]["mean"] / out["float32"]["ppl"]["mean"] - 1
     # one delta file (the last one the master's node wrote), header included
-    out["delta_bytes"] = {k: out[k]["runs"][0]["comm/delta_bytes"] for k in DUMB}
-    out["delta_fewer"] = out["delta_bytes"]["float32"] / out["delta_bytes"]["int4"]
+    out["delta_bytes"] = {k: out[k]["runs"][0]["comm/delta_bytes"] for k in names}
+    out["delta_fewer"] = out["delta_bytes"]["float32"] / out["delta_bytes"][small]
+    ok = gap <= 0.01 and (fewer_bar is None or out["delta_fewer"] >= fewer_bar)
+    out["gap_of_means"], out["fewer_bar"], out["verdict"] = gap, fewer_bar, "PASS" if ok else "FAIL"
     return out
 
 
@@ -133,13 +152,15 @@ def table(rows: dict) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", required=True, help="prefix of the run folders: <runs>-s<seed>")
+    ap.add_argument("--family", choices=list(FAMILIES), default="tiny-compress")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1337, 1])
     ap.add_argument("--dumb", action="store_true", help="DumbDiLoCo FP32 vs int4 too")
     ap.add_argument("--out", default=str(ROOT / "results" / "tiny-compress"))
     args = ap.parse_args()
-    rows = judge(args.runs, args.seeds)
+    rows = judge(args.runs, args.seeds, FAMILIES[args.family])
+    names, fewer_bar = DUMB_FAMILIES[args.family]
     record = {
-        "command": f"python scripts/compression_acceptance.py --runs {args.runs} --seeds "
+        "command": f"python scripts/compression_acceptance.py --family {args.family} --runs {args.runs} --seeds "
         + " ".join(map(str, args.seeds))
         + (" --dumb" if args.dumb else ""),
         **bc.head(),
@@ -149,20 +170,21 @@ def main() -> None:
     }
     lines = table(rows)
     if args.dumb:
-        d = record["dumb"] = dumb(args.runs, args.seeds)
-        per = {k: ", ".join(f"{p:.2f}" for p in d[k]["ppl"]["per_seed"]) for k in DUMB}
+        d = record["dumb"] = dumb(args.runs, args.seeds, names, fewer_bar)
+        small = list(names)[1]
+        per = {k: ", ".join(f"{p:.2f}" for p in d[k]["ppl"]["per_seed"]) for k in names}
         lines += [
             "",
             "| DumbDiLoCo (the master's final global) | perplexity per seed | mean ± spread | gap of means "
-            "| bytes per delta file | x fewer | within 1% |",
+            "| bytes per delta file | x fewer | verdict |",
             "|---|---|---|---|---|---|---|",
         ]
-        for k in DUMB:
+        for k in names:
             p = d[k]["ppl"]
             last = [f"{d['gap_of_means']:+.1%}", f"{d['delta_bytes'][k]:,} B", f"{d['delta_fewer']:.2f}x",
-                    d["verdict"]] if k == "int4" else ["-", f"{d['delta_bytes'][k]:,} B", "-", "-"]  # fmt: skip
+                    d["verdict"]] if k == small else ["-", f"{d['delta_bytes'][k]:,} B", "-", "-"]  # fmt: skip
             lines.append(
-                f"| `{DUMB[k]}` ({k}) | {per[k]} | {p['mean']:.2f} ± {p['spread']:.2f} | "
+                f"| `{names[k]}` ({k}) | {per[k]} | {p['mean']:.2f} ± {p['spread']:.2f} | "
                 + " | ".join(last)
                 + " |"
             )
@@ -172,7 +194,7 @@ def main() -> None:
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     runs = [r for row in rows.values() for r in row["runs"]]
-    runs += [r for k in DUMB for r in record.get("dumb", {}).get(k, {}).get("runs", [])]
+    runs += [r for k in names for r in record.get("dumb", {}).get(k, {}).get("runs", [])]
     commits = sorted({r["git_commit"][:10] for r in runs})
     print(f"runs at commit(s) {', '.join(commits)}; record {out}/summary.json")
 

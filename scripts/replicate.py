@@ -105,6 +105,15 @@ FAMILIES = {  # the order runs are started in
         "tiny/dumb_diloco",
         "tiny/dumb_diloco_int4",
     ],
+    # issue 32: sparse 2-bit pseudo-gradients and eager updates against FP32 (results/tiny-frontier)
+    "tiny-frontier": [
+        "tiny/diloco_fp32",
+        "tiny/diloco_topk2",
+        "tiny/diloco_stream_p4",
+        "tiny/diloco_stream_p4_eager",
+        "tiny/dumb_diloco",
+        "tiny/dumb_diloco_topk2",
+    ],
 }
 
 # what a family's every run gets before --override's: tiny-hetero's worker/node 3 is 2x slower, every step
@@ -116,6 +125,7 @@ LOCAL_FAMILIES = {
     "tiny": "cpu",
     "tiny_law": "cpu",
     "tiny-compress": "cpu",
+    "tiny-frontier": "cpu",
     "tiny-hetero": "cpu",
     "gpu": "cuda",
 }
