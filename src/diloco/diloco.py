@@ -41,7 +41,6 @@ import torch
 
 from diloco import comm, quant, sparse
 from diloco.checkpoint import CheckpointError
-from diloco.config import check_distributed
 from diloco.distributed import DataParallel
 from diloco.outer import OuterOptimizer
 from diloco.schema import DiLoCoConfig
@@ -120,13 +119,14 @@ class DiLoCo:
     name = "diloco"
 
     @classmethod
-    def from_config(cls, dcfg, ctx, model, optimizer) -> DiLoCo:
-        """`dcfg`: the validated typed block (schema.DiLoCoConfig, as build_strategy passes it), or a raw
-        `distributed:` block, checked and typed here."""
-        if not isinstance(dcfg, DiLoCoConfig):
-            dcfg = check_distributed(dcfg)
+    def from_config(
+        cls, dcfg: DiLoCoConfig, ctx, model, optimizer, *, collective: comm.Collective | None = None
+    ) -> DiLoCo:
+        """`dcfg`: the typed block `diloco.config.validate` (or `check_distributed`) returned, not checked
+        again here. `collective`: the cross-worker averaging's Collective (default: over ctx.cross_group);
+        a script or test injects its own, e.g. one that simulates a slow link."""
         # DDP inside the worker; also checks that every rank holds the same shapes and initial weights
-        inner = DataParallel(dcfg, ctx, model, group=ctx.worker_group)
+        inner = DataParallel(ctx, model, group=ctx.worker_group, bucket_cap_mb=dcfg.ddp_bucket_cap_mb)
         timeout = dcfg.timeout_seconds
         keys = (
             "inner_steps",
@@ -150,7 +150,8 @@ class DiLoCo:
             "cosine_sample_seed",
         )
         values = dataclasses.asdict(dcfg)
-        cross, intra = (comm.group_collective(g, timeout) for g in (ctx.cross_group, ctx.worker_group))
+        intra = comm.group_collective(ctx.worker_group, timeout)
+        cross = collective if collective is not None else comm.group_collective(ctx.cross_group, timeout)
         return cls(model, optimizer, cross, intra=intra, inner_strategy=inner, **{k: values[k] for k in keys})
 
     def __init__(
