@@ -115,27 +115,27 @@ def payload(n: int, dtype: str) -> float:
     return comm.WIRE_DTYPES[dtype].itemsize * n
 
 
-def run_trainer(overrides: list[str], patch_build=None) -> tuple[dict, Timed]:
-    """diloco.train.run with `overrides`; the strategy wrapped in Timed (and built by patch_build)."""
+def run_trainer(overrides: list[str], collective=None, transport=None, before=None) -> tuple[dict, Timed]:
+    """diloco.train.run with `overrides` and build_strategy's seams (`collective`: DiLoCo's cross-worker
+    Collective; `transport`: wraps the store a DumbDiLoCo node opens); the strategy wrapped in Timed.
+    `before(cfg)`, if given, runs on the composed config before the run starts."""
     import diloco.train as train_mod
 
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_trainer import compose_overrides
 
     cfg = compose_overrides(overrides)
-    original = train_mod.build_strategy
     box = {}
 
-    def build(cfg, ctx, model, optimizer, typed_cfg=None):
-        s = (patch_build or original)(cfg, ctx, model, optimizer, typed_cfg)
-        box["s"] = Timed(s)
+    def build(*args, **seams):
+        box["s"] = Timed(train_mod.build_strategy(*args, **seams))
         return box["s"]
 
-    train_mod.build_strategy = build
+    if before is not None:
+        before(cfg)
     try:
-        code = train_mod.run(cfg)
+        code = train_mod.run(cfg, collective=collective, transport=transport, build=build)
     finally:
-        train_mod.build_strategy = original
         logging.getLogger("diloco").handlers.clear()
     if code != 0:
         raise RuntimeError(f"trainer exited with {code}")
@@ -143,40 +143,22 @@ def run_trainer(overrides: list[str], patch_build=None) -> tuple[dict, Timed]:
     return summary, box["s"]
 
 
-def diloco_builder(bytes_per_s: float, workers: int):
-    """build_strategy for distributed=diloco whose cross-worker collective is a RingTimedCollective."""
-    import diloco.train as train_mod
-
-    original = train_mod.build_strategy
-    sentinel = object()
-
-    def build(cfg, ctx, model, optimizer, typed_cfg=None):
-        real = comm.group_collective
-        coll = RingTimedCollective(bytes_per_s, workers)
-        comm.group_collective = lambda group, timeout: coll if group is sentinel else real(group, timeout)
-        ctx.cross_group = sentinel
-        try:
-            return original(cfg, ctx, model, optimizer, typed_cfg)
-        finally:
-            comm.group_collective, ctx.cross_group = real, None
-
-    return build
+def throttled(bytes_per_s: float):
+    """build_strategy's `transport` seam: the store a DumbDiLoCo node opens, behind a slow link."""
+    return lambda transport: bc.ThrottledTransport(transport, bytes_per_s)
 
 
-def dumb_builder(bytes_per_s: float, repo: Path, state_dir: Path, h: int, poll: float):
-    """build_strategy for distributed=dumb_diloco (worker) whose transport is behind a slow link; a
-    master (outer loop only, no training) is started first in this process with its own link."""
-    import diloco.train as train_mod
-    from diloco.dumb_diloco.node import joiner
+def master_starter(bytes_per_s: float, repo: Path, state_dir: Path, h: int, poll: float):
+    """`before` for a distributed=dumb_diloco worker's run: a master (outer loop only, no training) started
+    in this process, with the worker's initial weights and its own link of the same bandwidth."""
     from diloco.dumb_diloco.node.strategy import DumbDiLoCo
     from diloco.dumb_diloco.settings import Settings
     from diloco.dumb_diloco.store.transport import DirectoryTransport
     from diloco.model import build_model
 
-    original = train_mod.build_strategy
     box = {}
 
-    def build(cfg, ctx, model, optimizer, typed_cfg=None):
+    def start(cfg) -> None:
         settings = Settings(
             role="master", node_id="master-1", repo_id=str(repo), inner_steps=h, poll_interval=poll,
             state_dir=str(state_dir), publish_hf_config=False, shutdown_timeout=600.0,
@@ -185,14 +167,8 @@ def dumb_builder(bytes_per_s: float, repo: Path, state_dir: Path, h: int, poll: 
         master = DumbDiLoCo(build_model(cfg.model, seed=cfg.seed), settings, link)
         master.start()
         box["master"] = master
-        real_open = joiner.open_transport
-        joiner.open_transport = lambda *a, **k: bc.ThrottledTransport(real_open(*a, **k), bytes_per_s)
-        try:
-            return original(cfg, ctx, model, optimizer, typed_cfg)
-        finally:
-            joiner.open_transport = real_open
 
-    return build, box
+    return start, box
 
 
 def main(argv=None) -> int:
@@ -248,13 +224,14 @@ def main(argv=None) -> int:
                         over += [f"distributed.fragments={fragments}", f"distributed.overlap_steps={max(1, h // 10)}",
                                  "distributed.fragment_alpha=0.5"]  # fmt: skip
                     summary, timed = run_trainer(
-                        [*common, f"run_name={name}", *over], diloco_builder(bps, args.workers)
+                        [*common, f"run_name={name}", *over],
+                        collective=RingTimedCollective(bps, args.workers),
                     )
                     # every fragment synced once a round: the round's bytes are one whole payload
                     bytes_round = payload(n, dtype) * 2 * (args.workers - 1) / args.workers
                 else:
                     repo, state = tmp / f"repo-{mbit:g}", tmp / f"state-{mbit:g}"
-                    build, box = dumb_builder(bps, repo, state, h, poll=max(h * step_s / 4, 0.05))
+                    start_master, box = master_starter(bps, repo, state, h, poll=max(h * step_s / 4, 0.05))
                     over = [
                         "distributed=dumb_diloco", "distributed.role=worker", "distributed.node_id=worker-1",
                         f"distributed.repo_id={repo}", f"distributed.inner_steps={h}",
@@ -264,7 +241,11 @@ def main(argv=None) -> int:
                         "data.shard=1", "data.num_shards=2",
                     ]  # fmt: skip
                     try:
-                        summary, timed = run_trainer([*common, f"run_name={name}", *over], build)
+                        summary, timed = run_trainer(
+                            [*common, f"run_name={name}", *over],
+                            transport=throttled(bps),
+                            before=start_master,
+                        )
                     finally:
                         if "master" in box:
                             box["master"].close()

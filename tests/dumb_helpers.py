@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from diloco.config import check_dumb_diloco
 from diloco.dumb_diloco.master.loop import OuterLoop
 from diloco.dumb_diloco.master.recovery import MasterState
 from diloco.dumb_diloco.node.strategy import DumbDiLoCo
@@ -134,7 +135,9 @@ def settings(repo: Path | str, role: str = "worker", node_id: str = "w1", **kw) 
         shutdown_timeout=5.0,
         state_dir=str(Path(repo).parent / "state"),
     )
-    return Settings(role=role, node_id=node_id, repo_id=str(repo), **(base | kw))
+    s = Settings(role=role, node_id=node_id, repo_id=str(repo), **(base | kw))
+    check_dumb_diloco(s)  # Settings built directly are not checked; validate's checker is
+    return s
 
 
 def make_loop(

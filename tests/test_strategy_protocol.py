@@ -107,3 +107,72 @@ def test_a_class_that_lacks_a_method_or_renames_a_parameter_fails_the_check():
         test_every_strategy_has_the_protocols_methods_and_signatures(NoClose)
     with pytest.raises(AssertionError, match="RenamedParameter.progress"):
         test_every_strategy_has_the_protocols_methods_and_signatures(RenamedParameter)
+
+
+DUMB = ["distributed=dumb_diloco", "distributed.node_id=n1", "distributed.repo_id={tmp}/repo"]
+DUMB += ["distributed.state_dir={tmp}/state", "data.shard=0", "data.num_shards=1"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], LocalTraining),
+        (["distributed=ddp"], DataParallel),
+        (["distributed=diloco", "train.eval_every=0"], DiLoCo),
+        ([*DUMB, "distributed.role=single"], LocalTraining),
+        ([*DUMB, "distributed.role=worker"], DumbDiLoCo),
+        ([*DUMB, "distributed.role=master"], DumbDiLoCo),
+    ],
+    ids=["none", "ddp", "diloco", "dumb-single", "dumb-worker", "dumb-master"],
+)
+def test_build_strategy_gives_every_mode_a_strategy_of_the_protocol(tmp_path, overrides, expected):
+    """train.build_strategy, the one place that knows the modes, from what validate returned; no I/O."""
+    from trainer_utils import SMALL, compose_cfg
+
+    from diloco.config import validate
+    from diloco.train import build_strategy
+
+    overrides = [o.format(tmp=tmp_path) for o in overrides]
+    cfg = validate(compose_cfg([*SMALL, f"out_dir={tmp_path}", *overrides]))
+    model = torch.nn.Linear(3, 2)
+    strategy = build_strategy(cfg, DistContext(), model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    try:
+        assert type(strategy) is expected and isinstance(strategy, Strategy)
+    finally:
+        strategy.close()
+    assert not (tmp_path / "repo").exists()  # the constructor opened nothing
+
+
+def test_the_seams_reach_the_strategies(tmp_path):
+    """build_strategy's `collective` becomes DiLoCo's cross-worker Collective; its `transport` wraps the store
+    a DumbDiLoCo node opens at start()."""
+    from trainer_utils import SMALL, compose_cfg
+
+    from diloco.config import validate
+    from diloco.train import build_strategy
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = validate(compose_cfg([*SMALL, "distributed=diloco", "train.eval_every=0"]))
+    solo = SoloCollective()
+    diloco = build_strategy(cfg, DistContext(), model, optimizer, collective=solo)
+    try:
+        assert diloco.cross is solo
+    finally:
+        diloco.close()
+
+    wrapped = []
+
+    def wrap(transport):
+        wrapped.append(transport)
+        return transport
+
+    dumb = [o.format(tmp=tmp_path) for o in [*DUMB, "distributed.role=master"]]
+    master = build_strategy(
+        validate(compose_cfg([*SMALL, *dumb])), DistContext(), model, optimizer, transport=wrap
+    )
+    try:
+        master.start()
+        assert wrapped and master.transport is wrapped[0]
+    finally:
+        master.close()

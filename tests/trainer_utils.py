@@ -36,11 +36,13 @@ def compose_cfg(overrides: list[str]):
         return compose(config_name="config", overrides=overrides)
 
 
-def train(tmp_path: Path, *overrides: str, name: str = "run") -> Path:
+def train(tmp_path: Path, *overrides: str, name: str = "run", **seams) -> Path:
+    """diloco.train.run of the SMALL config with `overrides`; `seams` are run's (collective, transport,
+    build)."""
     from diloco.train import run
 
     cfg = compose_cfg([*SMALL, f"out_dir={tmp_path}", f"run_name={name}", *overrides])
-    code = run(cfg)
+    code = run(cfg, **seams)
     assert code == 0, f"trainer exited with {code}"
     return Path(tmp_path) / name
 

@@ -53,7 +53,6 @@ import torch
 
 from diloco import comm, quant, sparse
 from diloco.checkpoint import CheckpointError
-from diloco.config import check_distributed
 from diloco.distributed import DataParallel
 from diloco.outer import OuterOptimizer
 from diloco.schema import DiLoCoConfig
@@ -110,6 +109,25 @@ def fragment_parameters(params: list[torch.Tensor], fragments: int) -> list[list
     return [[p for _, p in pieces] for pieces in _fragment_pieces(params, fragments)]
 
 
+def make_averager(
+    cross: comm.Collective,
+    dtype: str,
+    fp16_scaling: bool,
+    error_feedback: bool | None,
+    quant_block_size: int,
+    topk: tuple[float, int, str],
+):
+    """The averaging of `pseudo_grad_dtype`: float32/float16/bfloat16 all-reduced (comm.Averager), int8/int4
+    codes (quant.QuantizedAverager) or topk2 values and indices (sparse.TopKAverager, `topk`: density,
+    chunk, normalize) all-gathered, with error feedback unless it is false."""
+    ef = error_feedback is None or error_feedback
+    if dtype in quant.QUANT_BITS:
+        return quant.QuantizedAverager(cross, dtype, quant_block_size, ef)
+    if dtype == sparse.TOPK_DTYPE:
+        return sparse.TopKAverager(cross, *topk[:2], ef, topk[2])
+    return comm.Averager(cross, dtype, fp16_scaling)
+
+
 @dataclass
 class _InFlight:
     """A fragment's averaged pseudo-gradients, applied `overlap_steps` after they were sent; while the
@@ -133,13 +151,14 @@ class DiLoCo:
     name = "diloco"
 
     @classmethod
-    def from_config(cls, dcfg, ctx, model, optimizer) -> DiLoCo:
-        """`dcfg`: the validated typed block (schema.DiLoCoConfig, as build_strategy passes it), or a raw
-        `distributed:` block, checked and typed here."""
-        if not isinstance(dcfg, DiLoCoConfig):
-            dcfg = check_distributed(dcfg)
+    def from_config(
+        cls, dcfg: DiLoCoConfig, ctx, model, optimizer, *, collective: comm.Collective | None = None
+    ) -> DiLoCo:
+        """`dcfg`: the typed block `diloco.config.validate` (or `check_distributed`) returned, not checked
+        again here. `collective`: the cross-worker averaging's Collective (default: over ctx.cross_group);
+        a script or test injects its own, e.g. one that simulates a slow link."""
         # DDP inside the worker; also checks that every rank holds the same shapes and initial weights
-        inner = DataParallel(dcfg, ctx, model, group=ctx.worker_group)
+        inner = DataParallel(ctx, model, group=ctx.worker_group, bucket_cap_mb=dcfg.ddp_bucket_cap_mb)
         timeout = dcfg.timeout_seconds
         keys = (
             "inner_steps",
@@ -164,7 +183,8 @@ class DiLoCo:
             "cosine_sample_seed",
         )
         values = dataclasses.asdict(dcfg)
-        cross, intra = (comm.group_collective(g, timeout) for g in (ctx.cross_group, ctx.worker_group))
+        intra = comm.group_collective(ctx.worker_group, timeout)
+        cross = collective if collective is not None else comm.group_collective(ctx.cross_group, timeout)
         return cls(model, optimizer, cross, intra=intra, inner_strategy=inner, **{k: values[k] for k in keys})
 
     def __init__(
@@ -201,14 +221,10 @@ class DiLoCo:
         self.cross, self.intra = cross, intra or comm.SoloCollective()
         self.num_workers = cross.size
         self.inner_strategy = inner_strategy
-        if pseudo_grad_dtype in quant.QUANT_BITS:  # int8/int4 codes, all-gathered, with error feedback
-            ef = error_feedback is None or error_feedback
-            self.averager = quant.QuantizedAverager(cross, pseudo_grad_dtype, quant_block_size, ef)
-        elif pseudo_grad_dtype == sparse.TOPK_DTYPE:  # top-k 2-bit values and indices, all-gathered
-            ef = error_feedback is None or error_feedback
-            self.averager = sparse.TopKAverager(cross, topk_density, topk_chunk, ef, topk_normalize)
-        else:
-            self.averager = comm.Averager(cross, pseudo_grad_dtype, fp16_scaling)
+        topk = (topk_density, topk_chunk, topk_normalize)
+        self.averager = make_averager(
+            cross, pseudo_grad_dtype, fp16_scaling, error_feedback, quant_block_size, topk
+        )
         self.buckets, self.fragments = fragment_buckets(list(model.parameters()), fragments, bucket_size_mb)
         self._fragment_params = fragment_parameters(list(model.parameters()), fragments)
         # fragment f is synchronised at inner steps (f + 1) * H / P modulo H (P=1: every H steps)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diloco.config import ConfigError, check_distributed
+from diloco.config import ConfigError
 
 log = logging.getLogger("diloco")
 
@@ -145,9 +145,7 @@ def _resolve_topology(dcfg, world_size: int, local_world_size: int) -> int:
     `ranks_per_worker` (default: ranks per node) otherwise."""
     if dcfg.mode in ("ddp", "dumb_diloco"):
         return world_size
-    g = dcfg.get("ranks_per_worker") or local_world_size
-    if not isinstance(g, int) or g < 1:
-        raise ConfigError(f"distributed.ranks_per_worker must be a positive integer or null, got {g!r}")
+    g = dcfg.ranks_per_worker or local_world_size  # validated: a positive integer or None
     if world_size % g:
         raise ConfigError(
             f"world size {world_size} is not divisible by distributed.ranks_per_worker={g}: "
@@ -156,23 +154,23 @@ def _resolve_topology(dcfg, world_size: int, local_world_size: int) -> int:
     return g
 
 
-def init_distributed(cfg) -> DistContext:
-    """Join the process group torchrun describes and build the DiLoCo topology.
+def init_distributed(dcfg, device: str = "auto", ranks_per_gpu: int = 1) -> DistContext:
+    """Join the process group torchrun describes and build the DiLoCo topology. `dcfg`: the typed
+    `distributed:` block `diloco.config.validate` returned (checked there, not here); `device` and
+    `ranks_per_gpu`: the config's `device` and `launch.ranks_per_gpu`.
 
     W workers of G consecutive ranks: worker w is ranks [w*G, (w+1)*G). Inside a worker the G ranks
     share one batch through DDP (`worker_group`); the ranks with the same index j in every worker form
     `cross_group` j, over which pseudo-gradients are averaged. DDP is one worker of all ranks.
     Every rank creates every group, in the same order, as torch.distributed requires.
     """
-    dcfg = cfg.distributed
-    check_distributed(dcfg)
     per_node = dcfg.mode == "dumb_diloco"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if launched_by_torchrun():
         die_with_launcher()
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         return DistContext(
-            local_rank=local_rank, device=pick_device(cfg.device, local_rank), shard_per_node=per_node
+            local_rank=local_rank, device=pick_device(device, local_rank), shard_per_node=per_node
         )
     if dcfg.mode == "none":
         raise ConfigError(
@@ -180,12 +178,16 @@ def init_distributed(cfg) -> DistContext:
         )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     g = _resolve_topology(dcfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    shared = int(cfg.launch.ranks_per_gpu)  # ranks per GPU: consecutive local ranks share one
-    device = pick_device(cfg.device, local_rank // shared)
-    timeout = timedelta(seconds=float(dcfg.timeout_seconds)) if dcfg.get("timeout_seconds") else None
-    nccl = device.type == "cuda" and shared == 1  # NCCL refuses two ranks on one GPU; gloo takes CUDA tensors
+    shared = int(ranks_per_gpu)  # ranks per GPU: consecutive local ranks share one
+    torch_device = pick_device(device, local_rank // shared)
+    timeout = timedelta(seconds=float(dcfg.timeout_seconds)) if dcfg.timeout_seconds else None
+    nccl = (
+        torch_device.type == "cuda" and shared == 1
+    )  # NCCL refuses two ranks on one GPU; gloo takes CUDA tensors
     dist.init_process_group("nccl" if nccl else "gloo", timeout=timeout)
-    ctx = DistContext(rank, world, local_rank, device, world // g, rank // g, g, shard_per_node=per_node)
+    ctx = DistContext(
+        rank, world, local_rank, torch_device, world // g, rank // g, g, shard_per_node=per_node
+    )
     if dcfg.mode in ("ddp", "dumb_diloco"):  # one worker of all ranks (the default group)
         return ctx
     for w in range(ctx.num_workers):
@@ -246,13 +248,20 @@ class DataParallel:
     name = "ddp"
     num_workers = 1  # one worker of world_size ranks: train.batch_size is the global batch
 
-    def __init__(self, dcfg, ctx: DistContext, model: torch.nn.Module, group=None):
+    def __init__(
+        self,
+        ctx: DistContext,
+        model: torch.nn.Module,
+        group=None,
+        *,
+        bucket_cap_mb: float | None = None,  # distributed.ddp_bucket_cap_mb; None: DDP's default
+        log_every: int = 0,  # distributed.comm_log_every (distributed=ddp); 0: no comm metrics
+    ):
         check_same_model(ctx, model)  # every rank of the run starts from bit-identical weights
         self.ctx, self.group = ctx, group
         self.size = dist.get_world_size(group) if ctx.initialized else 1
-        # dcfg: the typed block (schema.DDPConfig / DiLoCoConfig) or a raw one; a key it lacks is None
-        self.bucket_cap_mb = getattr(dcfg, "ddp_bucket_cap_mb", None)  # None: DDP's default
-        self.log_every = int(getattr(dcfg, "comm_log_every", None) or 0)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.log_every = int(log_every or 0)
         self.ddp = None
         self.lost: RuntimeError | None = None  # a gradient all-reduce's failure (_peer_failure_named)
         self.total_bytes = 0  # bytes this rank handed to gradient all-reduces

@@ -1,6 +1,6 @@
 """What the trainer (train.py) asks of a distributed strategy, in the order it asks it.
 
-    strategy = build_strategy(cfg, ctx, model, optimizer)   # no I/O, no threads, no collectives yet
+    strategy = build_strategy(cfg, ctx, model, optimizer)   # cfg: validate's; no I/O, threads, collectives
     train_model = strategy.wrap(model)                     # DDP inside a worker, or the model itself
     strategy.load_state_dict(state["strategy"])            # only when resuming
     strategy.start()                                       # connect, start threads, first rendezvous
@@ -21,14 +21,43 @@ early, and sets the lr (diloco.schedule).
 Implementations: LocalTraining and DataParallel (distributed.py), DiLoCo (diloco.py), DumbDiLoCo
 (dumb_diloco/node/strategy.py), NodeRanks (dumb_diloco/node/ranks.py); tests/test_strategy_protocol.py checks that each
 has these members with these signatures. docs/architecture.md draws the whole data flow.
+
+A strategy is built from its own typed `distributed:` block (what `diloco.config.validate` returned) and,
+if it needs more of the run, a `RunShape`; never from the whole config tree.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from diloco.schema import Config
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a strategy may know of the run outside its own `distributed:` block."""
+
+    batch_size: int  # train.batch_size: sequences per optimizer step (per worker or node)
+    seq_len: int  # data.seq_len
+    shard: int | None  # data.shard: this node's data shard (None: not set)
+    num_shards: int | None  # data.num_shards
+    nodes: int  # launch.nodes
+
+    @classmethod
+    def of(cls, cfg: Config) -> RunShape:
+        """The shape of a validated config (schema.Config)."""
+        return cls(
+            batch_size=cfg.train.batch_size,
+            seq_len=cfg.data.seq_len,
+            shard=cfg.data.shard,
+            num_shards=cfg.data.num_shards,
+            nodes=cfg.launch.nodes,
+        )
 
 
 @runtime_checkable

@@ -16,6 +16,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +28,13 @@ from omegaconf import DictConfig, OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from diloco import checkpoint
+from diloco import checkpoint, schema
 from diloco.checkpoint import CheckpointError
-from diloco.comm import CommError
+from diloco.comm import Collective, CommError
 from diloco.config import (
     ConfigError,
     check_batch_split,
     check_command_line,
-    check_distributed,
     print_error,
     schedule_notice,
     validate,
@@ -52,7 +52,7 @@ from diloco.distributed import (
 from diloco.metrics import RunLogger, git_commit, nothing_left_on
 from diloco.model import build_model, count_parameters, shape_fingerprint
 from diloco.schedule import build_schedule
-from diloco.strategy import Strategy
+from diloco.strategy import RunShape, Strategy
 from diloco.timing import Clock, InjectedPace
 
 log = logging.getLogger("diloco")
@@ -60,11 +60,24 @@ log = logging.getLogger("diloco")
 USER_ERRORS = (ConfigError, DataError, CheckpointError, CommError, DistributedError)
 
 
-def build_strategy(cfg: DictConfig, ctx: DistContext, model, optimizer, typed_cfg=None) -> Strategy:
+def build_strategy(
+    cfg: schema.Config | DictConfig,
+    ctx: DistContext,
+    model,
+    optimizer,
+    *,
+    collective: Collective | None = None,
+    transport: Callable | None = None,
+) -> Strategy:
     """The one place that knows the distributed modes; each result satisfies diloco.strategy.Strategy
-    (tests/test_strategy_protocol.py). `typed_cfg`: what validate(cfg) returned (else typed here);
-    the synchronous strategies take its typed `distributed` block."""
-    dcfg = typed_cfg.distributed if typed_cfg is not None else check_distributed(cfg.distributed)
+    (tests/test_strategy_protocol.py). `cfg`: what validate returned (a raw config is validated here).
+    Each strategy gets its own typed `distributed` block and, if it needs more, the run's RunShape.
+    Seams for scripts and tests: `collective`, DiLoCo's cross-worker Collective (default: over the
+    process group); `transport`, a function that wraps the store a DumbDiLoCo node opens (a Transport
+    to a Transport, e.g. a throttled link)."""
+    if not isinstance(cfg, schema.Config):
+        cfg = validate(cfg)
+    dcfg = cfg.distributed
     mode = dcfg.mode
     if mode == "none":
         from diloco.distributed import LocalTraining
@@ -73,15 +86,18 @@ def build_strategy(cfg: DictConfig, ctx: DistContext, model, optimizer, typed_cf
     if mode == "ddp":
         from diloco.distributed import DataParallel
 
-        return DataParallel(dcfg, ctx, model)
+        return DataParallel(ctx, model, bucket_cap_mb=dcfg.ddp_bucket_cap_mb, log_every=dcfg.comm_log_every)
     if mode == "diloco":
         from diloco.diloco import DiLoCo
 
-        return DiLoCo.from_config(dcfg, ctx, model, optimizer)
+        return DiLoCo.from_config(dcfg, ctx, model, optimizer, collective=collective)
     if mode == "dumb_diloco":
+        from diloco.distributed import DataParallel, LocalTraining
         from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 
-        return DumbDiLoCo.from_config(cfg, ctx, model, optimizer)
+        if dcfg.role == "single" or not dcfg.enabled:  # no node: trains like distributed=none (or ddp)
+            return DataParallel(ctx, model) if ctx.world_size > 1 else LocalTraining(ctx)
+        return DumbDiLoCo.from_config(dcfg, RunShape.of(cfg), ctx, model, optimizer, transport=transport)
     raise ConfigError(f"distributed.mode must be none, ddp, diloco or dumb_diloco, got {mode!r}")
 
 
@@ -119,10 +135,19 @@ def setup_logging(run_dir: Path, ctx: DistContext) -> None:
     )
 
 
-def run(cfg: DictConfig) -> int:
+def run(
+    cfg: DictConfig,
+    *,
+    collective: Collective | None = None,
+    transport: Callable | None = None,
+    build: Callable[..., Strategy] = build_strategy,
+) -> int:
+    """One rank's run of the composed config `cfg`, read through what validate returns (schema.Config);
+    the raw tree is kept for the records, the data pipeline, the model and W&B. Seams for scripts and
+    tests: `collective` and `transport` go to build_strategy; `build` replaces it (same signature)."""
     # ----------------------------------------------------------------------------- set-up
-    typed_cfg = validate(cfg)
-    ctx = init_distributed(cfg)
+    raw, cfg = cfg, validate(cfg)
+    ctx = init_distributed(cfg.distributed, cfg.device, cfg.launch.ranks_per_gpu)
     check_batch_split(cfg.train.batch_size, cfg.train.micro_batch_size, ctx.ranks_per_worker)
     run_dir = Path(cfg.out_dir) / cfg.run_name
     setup_logging(run_dir, ctx)
@@ -132,25 +157,18 @@ def run(cfg: DictConfig) -> int:
     device = ctx.device
     use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    resolved = record_config(cfg, run_dir, ctx)
+    resolved = record_config(raw, run_dir, ctx)
     accum = cfg.train.batch_size // ctx.ranks_per_worker // cfg.train.micro_batch_size  # checked above
 
     # ----------------------------------------------------------------------------- data
-    train_stream, eval_sets = build_data(cfg, ctx)
+    train_stream, eval_sets = build_data(raw, ctx)
 
     # ----------------------------------------------------------------------------- model
-    model = build_model(cfg.model, seed=cfg.seed).to(device)
-    counts, fingerprint = count_parameters(model), shape_fingerprint(model)
-    log.info(
-        "model %s: %.1fM parameters (%.1fM without embeddings)",
-        cfg.model.name,
-        counts["total"] / 1e6,
-        counts["non_embedding"] / 1e6,
-    )
+    model, counts, fingerprint = build_counted_model(raw, device)
 
     # ----------------------------------------------------------------------------- optimizers, strategy
     optimizer = build_optimizer(cfg, model, device)
-    strategy = build_strategy(cfg, ctx, model, optimizer, typed_cfg)
+    strategy = build(cfg, ctx, model, optimizer, collective=collective, transport=transport)
     scheduler = build_schedule(cfg, optimizer, strategy.progress)  # at the run's step (Strategy.progress)
     train_model = strategy.wrap(model)
     if cfg.compile if cfg.compile is not None else device.type == "cuda":
@@ -166,7 +184,7 @@ def run(cfg: DictConfig) -> int:
     check_same_start(ctx, step)  # every node found the same checkpoint (or none)
     start_strategy(strategy)
     logger = RunLogger(
-        run_dir, resolved, cfg.wandb, enabled=ctx.is_main, resume_step=step if ckpt_dir else None
+        run_dir, resolved, raw.wandb, enabled=ctx.is_main, resume_step=step if ckpt_dir else None
     )
 
     # ----------------------------------------------------------------------------- loop, the end
@@ -192,6 +210,19 @@ def run(cfg: DictConfig) -> int:
     exit_code = trainer.train()
     shutdown_distributed(ctx, clean=exit_code == 0)
     return exit_code
+
+
+def build_counted_model(cfg: DictConfig, device: torch.device) -> tuple[torch.nn.Module, dict, str]:
+    """The model on `device`, its parameter counts (logged) and its shape fingerprint."""
+    model = build_model(cfg.model, seed=cfg.seed).to(device)
+    counts, fingerprint = count_parameters(model), shape_fingerprint(model)
+    log.info(
+        "model %s: %.1fM parameters (%.1fM without embeddings)",
+        cfg.model.name,
+        counts["total"] / 1e6,
+        counts["non_embedding"] / 1e6,
+    )
+    return model, counts, fingerprint
 
 
 def resume(ckpt_dir: Path | None, stateful: dict, clock: Clock, rank: int, fingerprint: str) -> int:
@@ -233,7 +264,7 @@ class Trainer:
     """One rank's training loop from its (resumed) step to the end: the parts it drives and the loop's
     state (the step, the clock, the last evaluation). `train()` writes the records whatever happens."""
 
-    cfg: DictConfig
+    cfg: schema.Config  # what validate returned
     ctx: DistContext
     run_dir: Path
     model: torch.nn.Module
@@ -432,7 +463,9 @@ class Trainer:
 
 
 # ----------------------------------------------------------------------------- run()'s helpers
-def run_summary(cfg, ctx, strategy, ran: dict, counts: dict, commit: str | None, resolved: dict) -> dict:
+def run_summary(
+    cfg: schema.Config, ctx, strategy, ran: dict, counts: dict, commit: str | None, resolved: dict
+) -> dict:
     """summary.json: how the run ended, what it cost, and the whole (redacted) config."""
     loss, wall, step = ran["eval_loss"], ran["wall"], ran["step"]
     return {
@@ -461,7 +494,7 @@ def _ppl(loss: float) -> float:
     return math.exp(min(loss, 50))
 
 
-def record_config(cfg, run_dir: Path, ctx: DistContext) -> dict:
+def record_config(cfg: DictConfig, run_dir: Path, ctx: DistContext) -> dict:
     """The resolved config, token redacted (a credential is never written to records or W&B)."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
     if token := resolved["distributed"].get("token"):
@@ -473,7 +506,7 @@ def record_config(cfg, run_dir: Path, ctx: DistContext) -> dict:
     return resolved
 
 
-def build_optimizer(cfg, model, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(cfg: schema.Config, model, device: torch.device) -> torch.optim.AdamW:
     """The inner optimizer (AdamW, fused on CUDA by default); its schedule: diloco.schedule."""
     fused = cfg.optim.fused if cfg.optim.fused is not None else (device.type == "cuda" or None)
     return torch.optim.AdamW(
@@ -495,7 +528,7 @@ def data_shard(cfg, ctx: DistContext) -> tuple[int, int]:
     return shard, cfg.data.num_shards if cfg.data.num_shards is not None else ctx.world_size
 
 
-def build_data(cfg, ctx: DistContext) -> tuple[PrefetchedStream, dict]:
+def build_data(cfg: DictConfig, ctx: DistContext) -> tuple[PrefetchedStream, dict]:
     """This rank's training stream (its shard, prefetched) and rank 0's fixed held-out batches: "all",
     and with non-IID shards each shard's own distribution."""
     tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -519,7 +552,7 @@ def build_data(cfg, ctx: DistContext) -> tuple[PrefetchedStream, dict]:
     return train_stream, sets
 
 
-def checkpoint_to_resume(cfg, run_dir: Path) -> Path | None:
+def checkpoint_to_resume(cfg: schema.Config, run_dir: Path) -> Path | None:
     if cfg.resume == "auto":
         return checkpoint.latest(run_dir)
     if cfg.resume == "never":

@@ -22,6 +22,7 @@ from diloco.dumb_diloco.settings import Settings
 from diloco.dumb_diloco.store.transport import DirectoryTransport
 from diloco.dumb_diloco.wire.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH
 from diloco.dumb_diloco.wire.tensor_format import decode
+from diloco.train import build_strategy
 
 pytestmark = pytest.mark.usefixtures("no_network")
 
@@ -140,7 +141,7 @@ def test_single_role_or_disabled_trains_like_distributed_none(tmp_path, change):
     )
     for k, v in change.items():
         cfg.distributed[k] = v
-    strategy = DumbDiLoCo.from_config(cfg, DistContext(), torch.nn.Linear(2, 2), None)
+    strategy = build_strategy(validate(cfg), DistContext(), torch.nn.Linear(2, 2), None)
     assert isinstance(strategy, LocalTraining)
     assert not (tmp_path / "repo").exists()  # no transport was opened
 
@@ -154,7 +155,8 @@ def test_a_node_of_two_ranks_has_one_dumb_diloco_on_its_rank_0(tmp_path):
         ["distributed=dumb_diloco", "distributed.node_id=n", f"distributed.repo_id={tmp_path}/r"]
     )
     model = torch.nn.Linear(2, 2)
-    rank0, rank1 = (DumbDiLoCo.from_config(cfg, DistContext(r, 2), model, None) for r in (0, 1))
+    typed_cfg = validate(cfg)
+    rank0, rank1 = (build_strategy(typed_cfg, DistContext(r, 2), model, None) for r in (0, 1))
     assert isinstance(rank0, NodeRanks) and isinstance(rank0.leader, DumbDiLoCo) and rank1.leader is None
 
 

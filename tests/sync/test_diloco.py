@@ -216,19 +216,20 @@ def test_diloco_run_logs_outer_metrics_and_summary(tmp_path):
     ],
 )
 def test_bad_diloco_config_is_refused_before_training(override, message):
-    from diloco.distributed import init_distributed
+    from diloco.config import validate
 
     cfg = compose_cfg(["distributed=diloco", override])
     with pytest.raises(ConfigError, match=message):
-        init_distributed(cfg)
+        validate(cfg)  # train.run's first call, before init_distributed
 
 
 def test_world_size_not_divisible_by_ranks_per_worker(monkeypatch):
+    from diloco.config import check_distributed
     from diloco.distributed import init_distributed
 
     for k, v in {"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(ConfigError, match="not divisible"):
-        init_distributed(compose_cfg(["distributed=diloco", "device=cpu"]))
+        init_distributed(check_distributed(compose_cfg(["distributed=diloco"]).distributed), "cpu")
     with pytest.raises(ConfigError, match="distributed=none"):
-        init_distributed(compose_cfg(["device=cpu"]))
+        init_distributed(check_distributed(compose_cfg([]).distributed), "cpu")

@@ -16,6 +16,7 @@ from mp_utils import run_ranks
 from omegaconf import OmegaConf
 
 from diloco.comm import InProcessGroup
+from diloco.config import check_distributed
 from diloco.diloco import DiLoCo
 
 STEPS, H, BATCH = 6, 3, 8  # 2 outer rounds; BATCH rows per worker per step
@@ -86,7 +87,7 @@ def diloco_runs(ctx, cfg, dtypes: list[str], micro: int, check_sync: bool = Fals
         cfg.distributed.pseudo_grad_dtype = dtype
         model = TinyModel()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        algo = DiLoCo.from_config(cfg.distributed, ctx, model, opt)
+        algo = DiLoCo.from_config(check_distributed(cfg.distributed), ctx, model, opt)
         in_sync = []
 
         def check(step, algo=algo, model=model, in_sync=in_sync):
@@ -117,7 +118,13 @@ def four_rank_job(**overrides) -> dict:
     from diloco.distributed import init_distributed
 
     cfg = diloco_cfg(**overrides)
-    return diloco_runs(init_distributed(cfg), cfg, ["float32"], micro=2, check_sync=True)
+    return diloco_runs(
+        init_distributed(check_distributed(cfg.distributed), "cpu"),
+        cfg,
+        ["float32"],
+        micro=2,
+        check_sync=True,
+    )
 
 
 def in_process(workers: int, dtype: str, micro: int, **overrides):
@@ -152,7 +159,7 @@ def ddp_rank(ctx) -> dict:
 
     model = TinyModel()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ddp = DataParallel(OmegaConf.create({"mode": "ddp", "comm_log_every": 1}), ctx, model)
+    ddp = DataParallel(ctx, model, log_every=1)
     records = train_tiny(ddp, model, opt, 0, ctx.rank, ctx.world_size, micro=2)
     return {"weights": flat(model.parameters()), "records": records, "total": ddp.summary()}
 
@@ -162,7 +169,12 @@ def mismatched_model(ctx) -> str | None:
 
     model = TinyModel(hidden=512 if ctx.rank == 0 else 511)
     try:
-        DiLoCo.from_config(diloco_cfg().distributed, ctx, model, torch.optim.SGD(model.parameters(), lr=0.1))
+        DiLoCo.from_config(
+            check_distributed(diloco_cfg().distributed),
+            ctx,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+        )
     except DistributedError as e:
         return str(e)
     return None
@@ -177,7 +189,12 @@ def differently_initialised_model(ctx) -> str | None:
         with torch.no_grad():
             model.fc2.bias.add_(1e-6)
     try:
-        DiLoCo.from_config(diloco_cfg().distributed, ctx, model, torch.optim.SGD(model.parameters(), lr=0.1))
+        DiLoCo.from_config(
+            check_distributed(diloco_cfg().distributed),
+            ctx,
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+        )
     except DistributedError as e:
         return str(e)
     return None
@@ -219,7 +236,7 @@ def two_rank_job(dtypes: list[str], collective_timeout: float) -> dict:
     from diloco.distributed import init_distributed
 
     cfg = diloco_cfg()
-    ctx = init_distributed(cfg)
+    ctx = init_distributed(check_distributed(cfg.distributed), "cpu")
     out = diloco_runs(ctx, cfg, dtypes, micro=4)
     out["ddp"] = ddp_rank(ctx)
     out["mismatch"] = mismatched_model(ctx)

@@ -1,6 +1,8 @@
 """A DumbDiLoCo node's settings: the `distributed:` block on top of the typed schema
-(diloco.schema.DumbDiLoCoConfig, keys and defaults) and its one validator (diloco.config.check_dumb_diloco),
-plus the error a node reports in one line. Prose: docs/dumb_diloco.md ("Configuration").
+(diloco.schema.DumbDiLoCoConfig, keys and defaults), plus the error a node reports in one line. The one
+checker is diloco.config's (`validate`, `check_distributed`): `Settings.of` takes a block it has checked
+and does not check it again; `Settings.from_config` runs it on a raw block. Prose: docs/dumb_diloco.md
+("Configuration").
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from diloco.config import ConfigError, check_dumb_diloco, typed
+from diloco.config import ConfigError, check_distributed
 from diloco.schema import DumbDiLoCoConfig
 
 from .store.transport import RetryPolicy
@@ -26,7 +28,8 @@ class DumbDiLoCoError(ConfigError):
 
 @dataclass
 class Settings(DumbDiLoCoConfig):
-    """The `distributed:` block of a DumbDiLoCo node, checked (keys and defaults: diloco.schema)."""
+    """The `distributed:` block of a DumbDiLoCo node (keys and defaults: diloco.schema). Built directly
+    (tests, scripts) it is normalised, not checked: `diloco.config.check_dumb_diloco(s)` checks it."""
 
     def __post_init__(self) -> None:
         if not self.enabled:
@@ -41,18 +44,22 @@ class Settings(DumbDiLoCoConfig):
                 self.retry = RetryPolicy(**(self.retry if isinstance(self.retry, dict) else vars(self.retry)))
             except TypeError as err:
                 raise ConfigError(f"distributed.retry: {err}") from None
-        check_dumb_diloco(self)
 
     @classmethod
     def from_config(cls, dcfg: Any) -> Settings:
-        """Validate a config block (DictConfig or dict); raise ConfigError naming the key."""
+        """A raw config block (DictConfig or dict), typed and checked by diloco.config.check_distributed;
+        raise ConfigError naming the key. The trainer's path is `of`, on the block validate checked."""
         if (mode := dcfg.get("mode", "dumb_diloco")) != "dumb_diloco":
             raise ConfigError(f"distributed.mode must be dumb_diloco here, got {mode!r}")
         if isinstance(dcfg, DictConfig):  # resolved within the whole config (state_dir: ${out_dir}/...)
             dcfg = OmegaConf.to_container(dcfg, resolve=True)
         if isinstance(dcfg.get("collaborators"), str):  # before OmegaConf turns the string away
             raise ConfigError(_COLLABORATORS + f"got {dcfg.get('collaborators')!r}")
-        block = typed(dcfg, DumbDiLoCoConfig, "distributed.")
+        return cls.of(check_distributed({**dcfg, "mode": "dumb_diloco"}))
+
+    @classmethod
+    def of(cls, block: DumbDiLoCoConfig) -> Settings:
+        """The settings of a typed block that diloco.config has checked (not checked again)."""
         s = cls(**asdict(block))  # every DumbDiLoCoConfig field (retry as a dict: __post_init__ types it)
         if s.token is not None and s.role != "single":
             log.warning(

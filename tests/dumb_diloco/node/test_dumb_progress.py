@@ -245,20 +245,19 @@ def test_the_heterogeneous_experiment_is_tiny_dumb_diloco_with_a_global_budget()
     assert hetero.launch.nodes == 4
 
 
-def test_the_trainer_stops_and_schedules_at_the_strategys_run_step(tmp_path, monkeypatch):
+def test_the_trainer_stops_and_schedules_at_the_strategys_run_step(tmp_path):
     """train.py's seam: a strategy whose run step is half its local step trains twice train.max_steps, and
     its lr after step s is the schedule at s / 2."""
-    import diloco.train as trainer
     from diloco.distributed import LocalTraining
 
     class HalfPace(LocalTraining):
         def progress(self, step: int) -> float:
             return step / 2
 
-    monkeypatch.setattr(
-        trainer, "build_strategy", lambda cfg, ctx, model, optimizer, typed_cfg=None: HalfPace(ctx)
-    )
-    run_dir = train(tmp_path, "train.max_steps=6", "optim.total_steps=6", "optim.warmup_steps=2")
+    def build(cfg, ctx, model, optimizer, **seams):
+        return HalfPace(ctx)
+
+    run_dir = train(tmp_path, "train.max_steps=6", "optim.total_steps=6", "optim.warmup_steps=2", build=build)
     assert json.loads((run_dir / "summary.json").read_text())["step"] == 12
     lrs = {r["step"]: r["lr"] for r in read_metrics(run_dir) if "lr" in r}
     assert sorted(lrs) == list(range(1, 13))

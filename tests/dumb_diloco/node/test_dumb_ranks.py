@@ -78,7 +78,6 @@ def node_rank(repo: str, state_dir: str) -> dict:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import torch.distributed as dist
-    from omegaconf import OmegaConf
 
     from diloco.distributed import DataParallel, DistContext
     from diloco.dumb_diloco.node.ranks import NodeRanks
@@ -91,7 +90,7 @@ def node_rank(repo: str, state_dir: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     s = node_settings(repo, state_dir)
     leader = DumbDiLoCo(model, s, optimizer=opt) if rank == 0 else None
-    strategy = NodeRanks(ctx, model, opt, DataParallel(OmegaConf.create({}), ctx, model), leader, s, 1)
+    strategy = NodeRanks(ctx, model, opt, DataParallel(ctx, model), leader, s, 1)
     train(strategy, model, opt, repo, rank, world, rank == 0)
     out = {"weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
     if leader is not None:
@@ -304,7 +303,6 @@ def ranks_that_disagree(repo: str, state_dir: str) -> str:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import torch.distributed as dist
-    from omegaconf import OmegaConf
 
     from diloco.distributed import DataParallel, DistContext, DistributedError
     from diloco.dumb_diloco.node.ranks import NodeRanks
@@ -316,7 +314,7 @@ def ranks_that_disagree(repo: str, state_dir: str) -> str:
     model = Net()
     s = node_settings(repo, state_dir)
     leader = DumbDiLoCo(model, s) if rank == 0 else None
-    strategy = NodeRanks(ctx, model, None, DataParallel(OmegaConf.create({}), ctx, model), leader, s, 1)
+    strategy = NodeRanks(ctx, model, None, DataParallel(ctx, model), leader, s, 1)
     strategy.start()
     if rank == 1:
         with torch.no_grad():

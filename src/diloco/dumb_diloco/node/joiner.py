@@ -130,11 +130,13 @@ class Joiner:
         *,
         clock: Callable[[], float],
         sleep: Callable[[float], None],
+        wrap_transport: Callable[[Transport], Transport] | None = None,
     ):
         self.s = settings
         self.reader = reader
         self.init_sha256 = init_sha256
         self.transport = transport
+        self.wrap_transport = wrap_transport  # applied to the store `_open` opens (a throttled link, ...)
         self.clock, self.sleep = clock, sleep
 
     def fetch(self, newer_than: int) -> GlobalSnapshot | None:
@@ -198,11 +200,12 @@ class Joiner:
     def _open(self) -> Transport:
         s = self.s
         try:
-            return open_transport(
+            transport = open_transport(
                 s.repo_id, token=s.token, create=s.is_master, retry=s.retry, timeout_s=s.request_timeout
             )
         except ValueError as err:
             raise DumbDiLoCoError(f"distributed.repo_id: {err}") from None
+        return self.wrap_transport(transport) if self.wrap_transport is not None else transport
 
     def _no_global(self, waiting_for: str) -> DumbDiLoCoError:
         s = self.s

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 
 from diloco.model import weights_sha256
+from diloco.schema import DumbDiLoCoConfig
+from diloco.strategy import RunShape
 
 from ..master.loop import OuterLoop
 from ..master.recovery import GlobalSnapshot, delta_layout, state_layout
@@ -84,6 +86,7 @@ class DumbDiLoCo:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         manual_rounds: bool = False,  # master: no outer-loop thread; the caller drives outer.run_once()
+        wrap_transport: Callable[[Transport], Transport] | None = None,  # wraps the store `start` opens
     ):
         if settings.role == "single":
             raise ValueError("role=single has no node (it trains like distributed=none)")
@@ -122,27 +125,23 @@ class DumbDiLoCo:
             clock=clock,
         )
         reader = GlobalReader(layout, self.max_file_bytes, self._downloaded)
-        self.joiner = Joiner(settings, reader, self.init_sha256, transport, clock=clock, sleep=sleep)
+        self.joiner = Joiner(
+            settings,
+            reader,
+            self.init_sha256,
+            transport,
+            clock=clock,
+            sleep=sleep,
+            wrap_transport=wrap_transport,
+        )
         self.started = False
         self.closed = False
         self.local_step = 0  # the last step the trainer reported
         self._poll_lane: Any = None  # a one-thread executor or InlineLane, from `start`
         self._polling: Future | None = None
         self._last_poll = -math.inf
-        self.master: MasterRole | None = None  # the lease and the outer loop (master/role.py); None: a worker
-        if settings.is_master:
-            self.master = MasterRole(
-                settings,
-                self.joiner,
-                self.state_dir,
-                fetch=self.fetch_global,
-                check_layout=self.installer.check_layout,
-                on_snapshot=self.stage,
-                max_file_bytes=self.max_file_bytes,
-                init_sha256=self.init_sha256,
-                hf_config=self.hf_config,
-                manual_rounds=manual_rounds,
-            )
+        # the lease and the outer loop (master/role.py); None: a worker
+        self.master: MasterRole | None = self._master_role(manual_rounds) if settings.is_master else None
         self._resume: dict | None = None  # a trainer checkpoint taken mid-inner-loop (past the spec)
         self.pace_check = PaceCheck()  # the Hub commit budget at this node's measured pace
         self.final_status = ""  # after finish: what became of this node's final delta
@@ -150,31 +149,56 @@ class DumbDiLoCo:
         self.busy_seconds, self.busy_steps = 0.0, 0  # the trainer's time between steps
         self._left: float | None = None  # when the last on_step returned
 
+    def _master_role(self, manual_rounds: bool) -> MasterRole:
+        return MasterRole(
+            self.s,
+            self.joiner,
+            self.state_dir,
+            fetch=self.fetch_global,
+            check_layout=self.installer.check_layout,
+            on_snapshot=self.stage,
+            max_file_bytes=self.max_file_bytes,
+            init_sha256=self.init_sha256,
+            hf_config=self.hf_config,
+            manual_rounds=manual_rounds,
+        )
+
     # ---------------------------------------------------------------- the trainer's construction
 
     @classmethod
-    def from_config(cls, cfg, ctx, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        """No I/O and no threads here: `start` connects (a worker without a master fails there). Under
-        torchrun a node is G ranks with DDP inside (ranks.NodeRanks), whose rank 0 alone is a DumbDiLoCo."""
-        from diloco.distributed import DataParallel, LocalTraining
+    def from_config(
+        cls,
+        dcfg: DumbDiLoCoConfig,
+        shape: RunShape,
+        ctx,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        transport: Callable[[Transport], Transport] | None = None,
+    ):
+        """A node of role master or worker (role single is no node: build_strategy trains it like
+        distributed=none). `dcfg`: the typed block diloco.config.validate checked (not checked again);
+        `shape`: the run's batch, sequence length, shard and nodes; `transport`: wraps the store the node
+        opens (None: the store itself). No I/O and no threads here: `start` connects (a worker without a
+        master fails there). Under torchrun a node is G ranks with DDP inside (ranks.NodeRanks), whose
+        rank 0 alone is a DumbDiLoCo."""
+        from diloco.distributed import DataParallel
 
-        settings = Settings.from_config(cfg.distributed)
+        settings = Settings.of(dcfg)
         if settings.budget == "global" and ctx.world_size > 1:  # its ranks would need rank 0's run step
             raise settings.error("distributed.budget=global is not supported yet for a node of several ranks")
-        ddp = DataParallel(cfg.distributed, ctx, model) if ctx.world_size > 1 else None
-        if settings.role == "single":
-            return ddp or LocalTraining(ctx)
-        if cfg.data.get("shard") is None and ctx.is_main:
+        ddp = DataParallel(ctx, model) if ctx.world_size > 1 else None
+        if shape.shard is None and ctx.is_main:
             log.warning(
                 f"node {settings.node_id}: data.shard/data.num_shards are not set, so this node reads the "
                 "same data as every other node left at the default; give node i of n `data.shard=i "
                 "data.num_shards=n`"
             )
         hf_config = json.loads(model.config.to_json_string()) if hasattr(model, "config") else None
-        batch = cfg.train.batch_size  # the node's, split among its ranks
-        workers = int(cfg.data.get("num_shards") or 1)
+        batch = shape.batch_size  # the node's, split among its ranks
+        workers = shape.num_shards or 1
         if settings.budget == "global":  # the budget's node count, checked by diloco.config.validate
-            workers = int(cfg.data.get("num_shards") or cfg.launch.nodes)
+            workers = shape.num_shards or shape.nodes
         leader = None
         if ctx.is_main:
             leader = cls(
@@ -183,8 +207,9 @@ class DumbDiLoCo:
                 optimizer=optimizer,
                 num_workers=workers,
                 hf_config=hf_config,
-                tokens_per_step=batch * cfg.data.seq_len,
+                tokens_per_step=batch * shape.seq_len,
                 samples_per_step=batch,
+                wrap_transport=transport,
             )
         if ddp is None:
             return leader
