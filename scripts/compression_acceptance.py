@@ -40,7 +40,18 @@ FAMILIES = {
     # issue 32: topk2 at <= 0.5 bits per parameter (>= 64x fewer bytes than FP32) within 1%; eager updates
     # (P=4, the whole phase overlapped) within 1% of non-overlapped DiLoCo at the same format (FP32)
     "tiny-frontier": {
-        "tiny-diloco-topk2": ("topk2 (64 of 4,096, 2-bit) + error feedback", 0.01, 64.0, None),
+        "tiny-diloco-topk2": (
+            "topk2 (64 of 4,096, 2-bit) + error feedback, outer Nesterov 0.9",
+            0.01,
+            64.0,
+            None,
+        ),
+        "tiny-diloco-sparseloco": (
+            "SparseLoCo: topk2, carry decay 0.95, no outer momentum",
+            0.01,
+            64.0,
+            None,
+        ),
         "tiny-diloco-stream-p4": ("Streaming, P=4 (FP32), not overlapped", 0.01, None, 4.0),
         "tiny-diloco-stream-p4-eager": ("Streaming, P=4, eager updates (tau = H), FP32", 0.01, None, 4.0),
     },

@@ -109,6 +109,7 @@ FAMILIES = {  # the order runs are started in
     "tiny-frontier": [
         "tiny/diloco_fp32",
         "tiny/diloco_topk2",
+        "tiny/diloco_sparseloco",
         "tiny/diloco_stream_p4",
         "tiny/diloco_stream_p4_eager",
         "tiny/dumb_diloco",

@@ -115,16 +115,17 @@ def make_averager(
     fp16_scaling: bool,
     error_feedback: bool | None,
     quant_block_size: int,
-    topk: tuple[float, int, str],
+    topk: tuple[float, int, str, float],
 ):
     """The averaging of `pseudo_grad_dtype`: float32/float16/bfloat16 all-reduced (comm.Averager), int8/int4
     codes (quant.QuantizedAverager) or topk2 values and indices (sparse.TopKAverager, `topk`: density,
-    chunk, normalize) all-gathered, with error feedback unless it is false."""
+    chunk, normalize, error-feedback decay) all-gathered, with error feedback unless it is false."""
     ef = error_feedback is None or error_feedback
     if dtype in quant.QUANT_BITS:
         return quant.QuantizedAverager(cross, dtype, quant_block_size, ef)
     if dtype == sparse.TOPK_DTYPE:
-        return sparse.TopKAverager(cross, *topk[:2], ef, topk[2])
+        density, chunk, normalize, decay = topk
+        return sparse.TopKAverager(cross, density, chunk, ef, normalize, decay)
     return comm.Averager(cross, dtype, fp16_scaling)
 
 
@@ -172,6 +173,7 @@ class DiLoCo:
             "topk_density",
             "topk_chunk",
             "topk_normalize",
+            "topk_ef_decay",
             "fragments",
             "overlap_steps",
             "fragment_alpha",
@@ -209,6 +211,7 @@ class DiLoCo:
         topk_density: float = 1 / 64,
         topk_chunk: int = sparse.MAX_CHUNK,
         topk_normalize: str = "none",
+        topk_ef_decay: float = 1.0,
         fragments: int = 1,
         overlap_steps: int = 0,
         fragment_alpha: float = 0.0,
@@ -221,7 +224,7 @@ class DiLoCo:
         self.cross, self.intra = cross, intra or comm.SoloCollective()
         self.num_workers = cross.size
         self.inner_strategy = inner_strategy
-        topk = (topk_density, topk_chunk, topk_normalize)
+        topk = (topk_density, topk_chunk, topk_normalize, topk_ef_decay)
         self.averager = make_averager(
             cross, pseudo_grad_dtype, fp16_scaling, error_feedback, quant_block_size, topk
         )

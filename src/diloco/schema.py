@@ -164,6 +164,9 @@ class DiLoCoConfig:
     topk_density: float = 0.015625  # topk2: the fraction of each chunk sent (SparseLoCo's 64 of 4,096)
     topk_chunk: int = 4096  # topk2: values per chunk (at most 4,096: 12-bit in-chunk indices)
     topk_normalize: str = "none"  # topk2: none | median (scale each worker's contribution to the median norm)
+    # topk2: the carry is decayed by this before each round's pseudo-gradient joins it; SparseLoCo: 0.95 with
+    # outer_momentum 0 (the carry stands in for the momentum); 1: plain error feedback
+    topk_ef_decay: float = 1.0
     fragments: int = 1  # Streaming DiLoCo's P: fragment f syncs every H steps at offset (f+1)H/P
     overlap_steps: int = 0  # tau: a fragment's outer step is applied tau inner steps after its sync
     fragment_alpha: float = 0.0  # after the outer step: local <- alpha * local + (1 - alpha) * global

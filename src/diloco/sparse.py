@@ -32,9 +32,11 @@ median over workers of their norms before the sum, so no single worker's large p
 the mean; the weights come from the gathered bytes, so they too are the same on every worker. Off by
 default. Error feedback still carries against what the worker itself sent, unscaled.
 
-Error feedback (EF-SGD, Karimireddy et al. 2019), always on: carry <- (carry + pseudo_grad) -
+Error feedback (EF-SGD, Karimireddy et al. 2019), always on: carry <- (beta carry + pseudo_grad) -
 decoded(own payload). The carry is one zero-padded FP32 bucket per worker, checkpointed, so resume stays
-exact. Over rounds nothing is lost: what was sent + the final carry = the sum of the inputs.
+exact. With beta = 1 (`topk_ef_decay`, the default) nothing is lost over rounds: what was sent + the final
+carry = the sum of the inputs. SparseLoCo (Sec. 3) decays it, beta = 0.95, and drops the outer momentum:
+the decayed carry stands in for it (outer_momentum 0).
 """
 
 from __future__ import annotations
@@ -217,6 +219,7 @@ class TopKAverager:
         chunk: int = MAX_CHUNK,
         error_feedback: bool = True,
         normalize: str = "none",
+        decay: float = 1.0,
     ):
         if not 1 <= chunk <= MAX_CHUNK:
             raise ValueError(f"topk_chunk must be an integer in [1, {MAX_CHUNK}], got {chunk}")
@@ -226,6 +229,9 @@ class TopKAverager:
             raise ValueError("pseudo_grad_dtype topk2 needs error_feedback (it drops most of every round)")
         if normalize not in NORMALIZE:
             raise ValueError(f"topk_normalize must be one of {NORMALIZE}, got {normalize!r}")
+        if not 0 < decay <= 1:
+            raise ValueError(f"topk_ef_decay must be in (0, 1], got {decay}")
+        self.decay = decay
         self.coll, self.dtype, self.wire = coll, TOPK_DTYPE, torch.uint8
         self.chunk, self.k, self.normalize = chunk, topk_count(density, chunk), normalize
         self.residuals: dict[int, torch.Tensor] = {}  # this worker's carry, per bucket (zero-padded)
@@ -243,6 +249,8 @@ class TopKAverager:
         """flat (FP32 [n]) <- the mean over all members of what each sends for it (module docstring)."""
         n = flat.numel()
         y = self.carry(key, n, flat.device)
+        if self.decay != 1:
+            y.mul_(self.decay)  # SparseLoCo: the decayed carry stands in for the outer momentum
         y[:n].add_(flat)  # carry + pseudo_grad; the encoding leaves what it did not send in it
         payload, (sq_norm, sq_err, under) = encode_(y.view(-1, self.chunk), self.k, n)
         c = self.cast

@@ -205,6 +205,8 @@ def test_resumed_topk2_run_equals_uninterrupted_bit_for_bit(tmp_path, stop=3):
         (["distributed.pseudo_grad_dtype=topk2", "distributed.error_feedback=false"], "cannot go with"),
         (["distributed.pseudo_grad_dtype=topk3"], "pseudo_grad_dtype must be .* int4 or topk2"),
         (["distributed.topk_normalize=mean"], "topk_normalize must be none or median"),
+        (["distributed.topk_ef_decay=1.5"], r"topk_ef_decay must be in \(0, 1\]"),
+        (["distributed.topk_ef_decay=0"], "topk_ef_decay must be a positive number"),
     ],
 )
 def test_bad_topk_settings_are_one_line(overrides, message):
@@ -219,3 +221,24 @@ def test_topk2_turns_error_feedback_on_and_the_experiment_validates():
     assert c.distributed.topk_chunk == 4096 and topk_count(c.distributed.topk_density, 4096) == 64
     algo, _ = diloco_for(TinyModel(), SoloCollective(), pseudo_grad_dtype="topk2")  # error_feedback None
     assert isinstance(algo.averager, TopKAverager)
+
+
+def test_a_decayed_carry_is_sparselocos_error_feedback():
+    """topk_ef_decay beta: carry_t = beta carry_{t-1} + g_t - sent_t, sent_t = decode(encode(beta carry_{t-1}
+    + g_t)), checked by hand over rounds; beta = 1 is today's error feedback bit for bit."""
+    n, chunk, k, beta = 300, 64, 4, 0.95
+    gen = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(n, generator=gen) * 1e-2 for _ in range(5)]
+    decayed = TopKAverager(SoloCollective(), density=k / chunk, chunk=chunk, decay=beta)
+    plain = TopKAverager(SoloCollective(), density=k / chunk, chunk=chunk, decay=1.0)
+    default = TopKAverager(SoloCollective(), density=k / chunk, chunk=chunk)
+    carry = torch.zeros(n)
+    for g in inputs:
+        v = beta * carry + g
+        sent = decode(encode(v, chunk, k), n, chunk, k)
+        torch.testing.assert_close(decayed.average_(g.clone(), [n]), sent, rtol=0, atol=0)
+        carry = v - sent
+        torch.testing.assert_close(decayed.residuals[0][:n], carry, rtol=1e-6, atol=1e-9)
+        assert torch.equal(plain.average_(g.clone(), [n]), default.average_(g.clone(), [n]))
+    with pytest.raises(ValueError, match="topk_ef_decay"):
+        TopKAverager(SoloCollective(), decay=0.0)
