@@ -41,7 +41,7 @@ from pathlib import Path
 import bench_common as bc
 import torch
 
-from diloco import comm, quant
+from diloco import comm, quant, sparse
 
 PAPER_PARAMS = 214_983_680  # 150M, every parameter (the pseudo-gradient covers them all)
 PAPER_H = 500
@@ -49,7 +49,9 @@ PAPER_WORKERS = 8
 PAPER_STEP_S = 1.65
 TARGET_ASYNC = 0.99
 TARGET_STREAMING_10MBIT = 0.95  # issue 13: overlap + 4-bit at 10 Mbit/s paper-equivalent
-BANDWIDTHS_MBIT = [10, 100, 1000, 10000]
+TARGET_EAGER_1MBIT = 0.95  # issue 32: eager updates (the whole round overlapped) at 1 Mbit/s paper-equivalent
+BANDWIDTHS_MBIT = [1, 10, 100, 1000, 10000]
+DTYPES = {"FP32": "float32", "FP16": "float16", "int4": "int4", "topk2": "topk2"}  # a mode's second word
 
 
 class RingTimedCollective(comm.Collective):
@@ -60,6 +62,7 @@ class RingTimedCollective(comm.Collective):
     def __init__(self, bytes_per_s: float, workers: int):
         super().__init__()
         self.bytes_per_s, self.workers = bytes_per_s, workers
+        self._gather_shots = 1
 
     def _sleep(self, t: torch.Tensor, shots: int) -> None:
         share = shots * (self.workers - 1) / self.workers
@@ -74,8 +77,14 @@ class RingTimedCollective(comm.Collective):
         self._sleep(t, shots=1)
         return t
 
+    def all_gather(self, t: torch.Tensor, tag: str = "other") -> torch.Tensor:
+        """topk2 all-gathers whole payloads: each worker receives the W-1 others' (W-1 shots of (W-1)/W
+        each, counted here as one payload per peer); int8/int4's second shot gathers the mean's 1/W parts."""
+        self._gather_shots = self.workers if tag.endswith(sparse.TOPK_DTYPE) else 1
+        return super().all_gather(t, tag)
+
     def _all_gather(self, t):
-        self._sleep(t, shots=1)
+        self._sleep(t, shots=self._gather_shots)
         return t.unsqueeze(0)
 
     def _broadcast(self, t, src):
@@ -112,6 +121,8 @@ def payload(n: int, dtype: str) -> float:
     """Bytes of one worker's pseudo-gradient of n values in `dtype` (quant.payload_bytes for int4)."""
     if dtype in quant.QUANT_BITS:
         return quant.payload_bytes(n, quant.QUANT_BITS[dtype], 256)
+    if dtype == sparse.TOPK_DTYPE:  # SparseLoCo's 64 of 4,096 (the schema's default)
+        return sparse.payload_bytes(n, sparse.MAX_CHUNK, 64)
     return comm.WIRE_DTYPES[dtype].itemsize * n
 
 
@@ -187,9 +198,10 @@ def main(argv=None) -> int:
         "resume=never",
     ]  # fmt: skip
     modes = ["DiLoCo FP32", "DiLoCo FP16", "DiLoCo int4", "DiLoCo int4 P=4 overlap", "DumbDiLoCo v2"]
+    modes += ["DiLoCo topk2", "DiLoCo int4 P=4 eager", "DiLoCo topk2 P=4 eager"]
     if args.tiny:
         h, rounds, bandwidths = 2, 1, [100]
-        modes = ["DiLoCo FP32", "DiLoCo int4 P=4 overlap", "DumbDiLoCo v2"]
+        modes = ["DiLoCo FP32", "DiLoCo int4 P=4 overlap", "DiLoCo topk2 P=4 eager", "DumbDiLoCo v2"]
         base += ["data.seq_len=64", "train.batch_size=4", "train.micro_batch_size=4"]
     steps = h * (rounds + 1)  # the first round is warm-up, not measured
     logging.getLogger("diloco").setLevel(logging.WARNING)
@@ -213,7 +225,7 @@ def main(argv=None) -> int:
             for mode in modes:
                 name = f"{mode.replace(' ', '-').replace('=', '')}-{mbit:g}"
                 if mode.startswith("DiLoCo"):
-                    dtype = next(d for d in ("float32", "float16", "int4") if d[-2:] in mode.split()[1])
+                    dtype = DTYPES[mode.split()[1]]
                     over = [
                         "distributed=diloco", f"distributed.inner_steps={h}", f"distributed.pseudo_grad_dtype={dtype}",
                         "distributed.fp16_scaling=false", "distributed.cosine_sample_size=0",
@@ -223,12 +235,21 @@ def main(argv=None) -> int:
                         fragments = min(4, h)
                         over += [f"distributed.fragments={fragments}", f"distributed.overlap_steps={max(1, h // 10)}",
                                  "distributed.fragment_alpha=0.5"]  # fmt: skip
+                    elif "eager" in mode:  # eager updates: each fragment's exchange overlaps a whole round
+                        fragments = min(4, h)
+                        over += [f"distributed.fragments={fragments}", f"distributed.overlap_steps={h}",
+                                 "distributed.eager_updates=true", "distributed.fragment_alpha=0.0"]  # fmt: skip
                     summary, timed = run_trainer(
                         [*common, f"run_name={name}", *over],
                         collective=RingTimedCollective(bps, args.workers),
                     )
                     # every fragment synced once a round: the round's bytes are one whole payload
-                    bytes_round = payload(n, dtype) * 2 * (args.workers - 1) / args.workers
+                    shots = (
+                        args.workers - 1
+                        if dtype == sparse.TOPK_DTYPE
+                        else 2 * (args.workers - 1) / args.workers
+                    )
+                    bytes_round = payload(n, dtype) * shots
                 else:
                     repo, state = tmp / f"repo-{mbit:g}", tmp / f"state-{mbit:g}"
                     start_master, box = master_starter(bps, repo, state, h, poll=max(h * step_s / 4, 0.05))
@@ -252,7 +273,7 @@ def main(argv=None) -> int:
                 wall, blocked = timed.window(after=h)
                 util = 1 - blocked / wall
                 analytic = None
-                if mode.startswith("DiLoCo") and "overlap" not in mode:  # own compute, modelled ring time
+                if mode.startswith("DiLoCo") and " P=4 " not in mode:  # own compute, modelled ring time
                     inner = wall - blocked
                     analytic = inner / (inner + rounds * bytes_round / bps)
                 rows.append(
@@ -266,7 +287,9 @@ def main(argv=None) -> int:
                         "tokens/s vs no-comm": wall0 / wall,
                         "target": TARGET_ASYNC
                         if mode.startswith("Dumb")
-                        else (TARGET_STREAMING_10MBIT if "overlap" in mode else None),
+                        else (TARGET_STREAMING_10MBIT if "overlap" in mode else None)
+                        if "eager" not in mode
+                        else TARGET_EAGER_1MBIT,
                         # the price of asynchrony on a slow link is staleness, not stall
                         "new globals installed": summary["outer/installs"] - 1
                         if mode.startswith("Dumb")
@@ -295,6 +318,13 @@ def main(argv=None) -> int:
         if "overlap" in r["mode"] and r["Mbit/s"] == 10
     ]
     verdicts += [
+        f"{r['mode']} at {r['paper-equivalent link']}: utilization {r['utilization']:.2%} (target >= "
+        f"{TARGET_EAGER_1MBIT:.0%} at 1 Mbit/s): "
+        + ("met" if r["utilization"] >= TARGET_EAGER_1MBIT else "NOT met")
+        for r in rows
+        if "eager" in r["mode"] and r["Mbit/s"] == 1
+    ]
+    verdicts += [
         f"{r['mode']} at {r['paper-equivalent link']}: utilization {r['utilization']:.2%} (analytic "
         f"{r['analytic']:.2%})"
         for r in rows
@@ -314,6 +344,10 @@ def main(argv=None) -> int:
         f"int4 P=4 overlap: Streaming DiLoCo with 4 fragments, each synced once per round at its own offset, its "
         f"outer step applied tau = {max(1, h // 10)} inner step(s) later (H/10; 50 steps of H=500 at paper scale) "
         "with mixing alpha 0.5; the transfer runs on a thread during those steps.",
+        "topk2: SparseLoCo's 64 of 4,096 values per chunk as 2-bit codes with 12-bit indices (0.23 bits per "
+        "value), all-gathered whole: each worker receives W-1 payloads.",
+        "P=4 eager: eager updates (Kale et al. 2025) on 4 fragments: each fragment's exchange overlaps the whole "
+        "next round (tau = H), its outer step taken at once with the worker's own pseudo-gradient standing in.",
         f"New globals installed: globals the DumbDiLoCo worker installed during its {rounds + 1} rounds (besides the "
         "first). On a slow link a delta and a global each take most of a round to cross it, so the worker trains "
         "on while its view of the global model falls behind: the cost of asynchrony there is staleness, not stall.",
@@ -349,7 +383,8 @@ def plot_utilization(rows: list[dict], out: Path) -> str:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     styles = {"DiLoCo FP32": "o-", "DiLoCo FP16": "s-", "DiLoCo int4": "d-", "DiLoCo int4 P=4 overlap": "v-",
-              "DumbDiLoCo v2": "^-"}  # fmt: skip
+              "DumbDiLoCo v2": "^-", "DiLoCo topk2": "x-", "DiLoCo int4 P=4 eager": "P-",
+              "DiLoCo topk2 P=4 eager": "*-"}  # fmt: skip
     for mode, style in styles.items():
         pts = sorted((r["Mbit/s"], r["utilization"], r["analytic"]) for r in rows if r["mode"] == mode)
         if not pts:
