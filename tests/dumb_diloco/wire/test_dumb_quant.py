@@ -321,12 +321,11 @@ HOSTILE = {
 }
 
 
-@pytest.mark.parametrize("case", list(HOSTILE))
-def test_hostile_quantized_files_are_rejected_with_a_reason_and_good_deltas_still_apply(
-    tmp_path, caplog, case
-):
+def assert_rejected_while_good_deltas_apply(tmp_path, caplog, plant, words: str, plant_good_at_6) -> None:
+    """A file `plant` writes (evil's step 3) is rejected with `words` in one ledger line, published and
+    logged, while a good delta of another node in the same round applies as if alone; a good delta of the
+    same node afterwards (`plant_good_at_6`) applies."""
     loop, repo = make_master(tmp_path)
-    plant, words = HOSTILE[case]
     plant(repo)
     put_delta(repo, "good", 3, g(2.0))
     result = loop.run_once()
@@ -337,11 +336,22 @@ def test_hostile_quantized_files_are_rejected_with_a_reason_and_good_deltas_stil
     assert "\n" not in bad.reason and words in caplog.text
     published = json.loads(repo.read(GLOBAL_LEDGER_PATH))["entries"]
     assert any(r["status"] == "rejected" and r["reason"] == bad.reason for r in published)
-    # a good int8 delta of the same node afterwards is applied (decoded exactly)
-    blob, _ = DeltaCodec("int8").encode(g(1.0), DeltaMeta("evil", 6, 1))
-    repo.write({delta_path("evil", 6): blob})
+    plant_good_at_6(repo)
     r = loop.run_once()
     assert r.rejected == [] and [e.local_step for e in r.applied] == [6]
+
+
+def put_good_int8(repo) -> None:
+    blob, _ = DeltaCodec("int8").encode(g(1.0), DeltaMeta("evil", 6, 1))
+    repo.write({delta_path("evil", 6): blob})
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_quantized_files_are_rejected_with_a_reason_and_good_deltas_still_apply(
+    tmp_path, caplog, case
+):
+    plant, words = HOSTILE[case]
+    assert_rejected_while_good_deltas_apply(tmp_path, caplog, plant, words, put_good_int8)
 
 
 def test_the_master_computes_the_layout_the_announced_format_must_have():

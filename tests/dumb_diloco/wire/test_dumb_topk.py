@@ -15,12 +15,12 @@ import math
 
 import pytest
 import torch
-from dumb_helpers import LR, MU, W0, g, put_delta, worker
+from dumb_helpers import g, worker
 from test_dumb_quant import (
     Mlp,
     assert_nothing_lost,
+    assert_rejected_while_good_deltas_apply,
     decoded_by_master,
-    make_master,
     put_raw,
     random_delta,
     run_boundaries,
@@ -133,17 +133,6 @@ HOSTILE = {
 
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_hostile_topk2_files_are_rejected_with_a_reason_and_good_deltas_still_apply(tmp_path, caplog, case):
-    loop, repo = make_master(tmp_path)
     plant, words = HOSTILE[case]
-    plant(repo)
-    put_delta(repo, "good", 3, g(2.0))
-    result = loop.run_once()
-    assert [e.node_id for e in result.applied] == ["good"]
-    assert torch.allclose(loop.state.weights["w"], W0 - LR * (2.0 + MU * 2.0), atol=1e-6)  # as if alone
-    (bad,) = [e for e in loop.state.ledger.entries() if e.status == "rejected"]
-    assert (bad.node_id, bad.local_step) == ("evil", 3) and words in bad.reason, bad.reason
-    assert "\n" not in bad.reason
-    # a good topk2 delta of the same node afterwards is applied
-    put_topk(repo, topk_tiny(), step=6)
-    r = loop.run_once()
-    assert r.rejected == [] and [e.local_step for e in r.applied] == [6]
+    good = lambda repo: put_topk(repo, topk_tiny(), step=6)  # noqa: E731
+    assert_rejected_while_good_deltas_apply(tmp_path, caplog, plant, words, good)
