@@ -4,6 +4,7 @@ then DiLoCo's outer optimizer, every setting at 2 seeds, judged on the tuning ha
     python scripts/tune_law.py --runs runs/tune-law                 # stage 1 and 2 (skips complete runs)
     python scripts/tune_law.py --runs runs/tune-law --stage inner   # stage 1 only: the inner lr sweeps
     python scripts/tune_law.py --runs runs/tune-law --report-only   # results/tiny-law-tuning from the runs
+    python scripts/tune_law.py --runs runs/tune-law --restore       # the record's finished runs, then go on
 
 The regime (`REGIME` below) is the one Charles et al. 2025 (arXiv 2503.09799) measured their scaling law
 in, scaled to 2 CPU cores: M=4 workers, H=30, more than 50 outer rounds (1,560 inner steps = 52 rounds),
@@ -23,6 +24,7 @@ on `data.eval_subset=tune` (odd-numbered validation documents); the family repor
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from pathlib import Path
 
@@ -155,6 +157,23 @@ def best_diloco_lr(rows: list[dict]) -> float | None:
     return float(best["setting"].split("-")[0].removeprefix("lr"))
 
 
+def restore(runs: Path, record: Path) -> int:
+    """For every finished run of a committed record (`summary.json` of results/tiny-law-tuning) whose folder
+    is not in `runs`, a summary.json with what the record kept of it, so that the tuning goes on where the
+    record stopped (run folders are not committed). Returns how many were written."""
+    d, written = json.loads(record.read_text()), 0
+    for row in d["rows"]:
+        for seed, run in zip(d["seeds"], row["runs"]):
+            folder = runs / run_name(row["experiment"], row["setting"], seed)
+            if run is None or (folder / "summary.json").exists():
+                continue
+            folder.mkdir(parents=True, exist_ok=True)
+            kept = {**run, "step": STEPS, "status": "completed", "restored_from": str(record)}
+            (folder / "summary.json").write_text(json.dumps(kept, indent=1) + "\n")
+            written += 1
+    return written
+
+
 def run_grid(runs: Path, grid: dict, seeds: list[int]) -> None:
     for seed in seeds:  # every setting at the first seed, then the next seed
         for experiment, settings in grid.items():
@@ -169,7 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", nargs="*", type=int, default=[1337, 1])
     p.add_argument("--stage", choices=["inner", "all"], default="all")
     p.add_argument("--report-only", action="store_true")
+    p.add_argument("--restore", action="store_true", help="first restore the finished runs of --out's record")
     args = p.parse_args(argv)
+    if args.restore:
+        print(
+            f"restored {restore(args.runs, args.out / 'summary.json')} runs from {args.out / 'summary.json'}"
+        )
     if not args.report_only:  # the first seed's sweep, its extension, then the other seeds
         run_grid(args.runs, {e: [inner_setting(e, lr) for lr in LRS] for e in BATCH}, args.seeds[:1])
         grid = {e: [inner_setting(e, lr) for lr in inner_lrs(args.runs, e, args.seeds[0])] for e in BATCH}

@@ -57,6 +57,23 @@ def test_settings_rank_by_mean_loss_over_seeds_and_the_best_diloco_lr_needs_ever
     assert "| 1 | lr0.001-h30-o0.6-m0.9 | 4.0500 (57.40) | 4.0100 (55.15) | 4.0300 | 0.0400 |" in table
 
 
+def test_a_record_restores_its_finished_runs_and_the_tuning_reads_them_back(tmp_path):
+    """--restore: the committed record's runs come back as summaries the tuning skips and reads as before
+    (a folder already there is left alone; a setting the record has no run for stays missing)."""
+    experiment = "tiny/diloco_fp32"
+    first = tmp_path / "first"
+    inner(first, experiment, {1e-3: 4.05, 2e-3: 4.0, 4e-3: 4.1}, 1337)
+    grid = {experiment: [tune_law.inner_setting(experiment, lr) for lr in (1e-3, 2e-3, 4e-3, 8e-3)]}
+    record = tmp_path / "summary.json"
+    record.write_text(json.dumps({"seeds": [1337, 1], "rows": tune_law.rows_of(first, grid, [1337, 1])}))
+    again = tmp_path / "again"
+    inner(again, experiment, {2e-3: 3.9}, 1337)  # already here: kept
+    assert tune_law.restore(again, record) == 2
+    rows = tune_law.rows_of(again, grid, [1337, 1])
+    assert [r["loss_per_seed"][0] for r in rows] == [4.05, 3.9, 4.1, None]
+    assert tune_law.restore(again, record) == 0
+
+
 def test_a_run_from_a_dirty_tree_is_refused(tmp_path):
     summary(tmp_path, "x", 4.0, commit="abc-dirty")
     with pytest.raises(SystemExit, match="dirty"):
