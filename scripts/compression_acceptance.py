@@ -54,6 +54,16 @@ FAMILIES = {
         ),
         "tiny-diloco-stream-p4": ("Streaming, P=4 (FP32), not overlapped", 0.01, None, 4.0),
         "tiny-diloco-stream-p4-eager": ("Streaming, P=4, eager updates (tau = H), FP32", 0.01, None, 4.0),
+        # the naive delayed outer step eager updates improve on (tau = H - 1: the config allows tau = H with eager only)
+        "tiny-diloco-stream-p4-delayed": (
+            "Streaming, P=4, tau = H - 1, no eager updates, FP32",
+            None,
+            None,
+            None,
+        ),
+        # the density sweep of SparseLoCo's recipe (bits per parameter against perplexity)
+        "tiny-diloco-sparseloco-d0.0625": ("SparseLoCo at 256 of 4,096", 0.01, None, None),
+        "tiny-diloco-sparseloco-d0.25": ("SparseLoCo at 1,024 of 4,096", 0.01, None, None),
     },
 }
 BARS = FAMILIES["tiny-compress"]
@@ -112,7 +122,8 @@ def judge(prefix: str, seeds: list[int], bars: dict = BARS) -> dict:
         rows[name] = {
             "what": what, "ppl": ppl, "gap_of_means": gap,
             "gap_per_seed": [r["final_eval_perplexity"] / b["final_eval_perplexity"] - 1 for r, b in zip(rs, base)],
-            "bytes_fewer": fewer, "peak_fewer": peak, "cast_rel_error": [r["cast_rel_error"] for r in rs],
+            "bytes_fewer": fewer, "bits_per_param": 32 / fewer, "peak_fewer": peak,
+            "cast_rel_error": [r["cast_rel_error"] for r in rs],
             "bars": {"perplexity": ppl_bar, "bytes": bytes_bar, "peak": peak_bar}, "verdicts": verdicts, "runs": rs,
         }  # fmt: skip
     return rows
@@ -138,21 +149,21 @@ def dumb(prefix: str, seeds: list[int], names: dict = DUMB, fewer_bar: float | N
 def table(rows: dict) -> list[str]:
     lines = [
         "| config | perplexity per seed | mean ± spread | gap of means | gap per seed | bytes per round "
-        "(x fewer) | peak bytes per sync (x fewer) | quantization error | verdicts |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "(x fewer) | bits per parameter | peak bytes per sync (x fewer) | quantization error | verdicts |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         per = ", ".join(f"{p:.2f}" for p in r["ppl"]["per_seed"])
         cells = [f"`{name}`: {r['what']}", per, f"{r['ppl']['mean']:.2f} ± {r['ppl']['spread']:.2f}"]
         if name == BASE:
             b = r["runs"][0]
-            cells += ["-", "-", f"{b['comm/total_bytes'] / b['outer/rounds']:,.0f} B",
+            cells += ["-", "-", f"{b['comm/total_bytes'] / b['outer/rounds']:,.0f} B", "32",
                       f"{b['comm/peak_bytes_per_sync']:,} B", "-", "-"]  # fmt: skip
         else:
             errs = [e for e in r["cast_rel_error"] if e is not None]
             cells += [
                 f"{r['gap_of_means']:+.1%}", ", ".join(f"{g:+.1%}" for g in r["gap_per_seed"]),
-                f"{r['bytes_fewer']:.2f}x", f"{r['peak_fewer']:.2f}x",
+                f"{r['bytes_fewer']:.2f}x", f"{r['bits_per_param']:.3g}", f"{r['peak_fewer']:.2f}x",
                 f"{statistics.fmean(errs):.3f}" if errs else "-",
                 ", ".join(f"{k} {v}" for k, v in r["verdicts"].items()) or "-",
             ]  # fmt: skip
