@@ -38,7 +38,9 @@ def run_tiny(name: str, out: Path, *extra: str) -> dict:
 
 def test_quant(tmp_path):
     record = run_tiny("bench_quant", tmp_path)
-    assert {(r["dtype"], r["payload bytes"]) for r in record["rows"]} == {("int8", 264192), ("int4", 133120)}
+    pairs = {(r["dtype"], r["payload bytes"]) for r in record["rows"]}
+    # 262,144 values: int8/int4 codes + a bfloat16 scale per 256; topk2 64 chunks x 116 bytes (64 of 4,096)
+    assert pairs == {("int8", 264192), ("int4", 133120), ("topk2", 64 * 116)}
 
 
 def test_wire(tmp_path):
@@ -145,7 +147,8 @@ def test_throttled_transport_takes_size_over_bandwidth(tmp_path):
 @pytest.mark.slow  # runs the real trainer end to end
 def test_utilization(tmp_path):
     record = run_tiny("bench_utilization", tmp_path)
-    assert {r["mode"] for r in record["rows"]} == {"DiLoCo FP32", "DiLoCo int4 P=4 overlap", "DumbDiLoCo v2"}
+    modes = {"DiLoCo FP32", "DiLoCo int4 P=4 overlap", "DiLoCo topk2 P=4 eager", "DumbDiLoCo v2"}
+    assert {r["mode"] for r in record["rows"]} == modes
     for r in record["rows"]:
         assert 0 < r["utilization"] <= 1
 
