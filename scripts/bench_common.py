@@ -110,8 +110,8 @@ def commit() -> str:
             timeout=5,
         ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
-    except Exception:
-        return "unknown"
+    except Exception:  # a copy of the tree without git names its commit itself (metrics.git_commit)
+        return os.environ.get("DILOCO_GIT_COMMIT", "unknown")
 
 
 def head() -> dict:

@@ -26,6 +26,8 @@ log = logging.getLogger("diloco")
 
 
 def git_commit() -> str:
+    """HEAD's sha (-dirty when tracked files differ); a copy of the tree without git (a GPU machine's copy)
+    names its commit through DILOCO_GIT_COMMIT, else "unknown"."""
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
@@ -38,7 +40,7 @@ def git_commit() -> str:
         ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except Exception:
-        return "unknown"
+        return os.environ.get("DILOCO_GIT_COMMIT", "unknown")
 
 
 SET_UP_FILES = ("train.log", "train.rank*.log", "config.yaml")  # what a run writes before its first step
