@@ -42,12 +42,15 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import torch
-from omegaconf import DictConfig
 
 from diloco.assets import asset_path, register_resolvers  # noqa: F401  (configs use ${diloco_asset:...})
+
+if TYPE_CHECKING:
+    from diloco.schema import DataConfig
 
 IGNORE_INDEX = -100
 STREAM_REOPENS = 10  # reopens of a stream whose read failed past the client's own retries, per batch
@@ -204,7 +207,7 @@ def noniid_shard_of(url: str, key: str, num_shards: int) -> int:
 
 
 def document_stream(
-    data_cfg: DictConfig, split: str, shard: int = 0, num_shards: int = 1, part: tuple[int, int] = (0, 1)
+    data_cfg: DataConfig, split: str, shard: int = 0, num_shards: int = 1, part: tuple[int, int] = (0, 1)
 ):
     """A `datasets.IterableDataset` of this shard's documents (dicts with `text` and `url`); with `part`
     (r, G), the r-th of G disjoint parts of the shard (a DumbDiLoCo node's shard split among its ranks)."""
@@ -217,7 +220,7 @@ def document_stream(
     return split_dataset_by_node(ds, rank=rank, world_size=parts) if parts > 1 else ds
 
 
-def _part_of_iid_shard(data_cfg: DictConfig, split: str, shard: int, num_shards: int, rank: int, parts: int):
+def _part_of_iid_shard(data_cfg: DataConfig, split: str, shard: int, num_shards: int, rank: int, parts: int):
     """Part `rank` of `parts` of i.i.d. shard `shard`: the shard's own documents, split again.
     split_dataset_by_node of a dataset it split already splits the whole split once more (part
     shard*parts+rank of num_shards*parts; `datasets` applies the split when iterating, after any
@@ -235,31 +238,21 @@ def _part_of_iid_shard(data_cfg: DictConfig, split: str, shard: int, num_shards:
     return split_dataset_by_node(whole, rank=shard + num_shards * rank, world_size=num_shards * parts)
 
 
-def _shard_documents(data_cfg: DictConfig, split: str, shard: int, num_shards: int):
+def _shard_documents(data_cfg: DataConfig, split: str, shard: int, num_shards: int):
     from datasets import load_dataset
     from datasets.distributed import split_dataset_by_node
 
     if not 0 <= shard < num_shards:
         raise DataError(f"data shard {shard} is outside [0, {num_shards})")
-    data_files = data_cfg.get("data_files")
-    data_files = dict(data_files) if data_files else None
+    data_files = dict(data_cfg.data_files) if data_cfg.data_files else None
     _check_local_files(data_files)
-    hub = not data_files and not Path(data_cfg.path).exists()  # streamed from the Hub (C4)
-    if (
-        hub
-        and (
-            error := _needs_hub(
-                f"data set {data_cfg.path} (streamed)", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"
-            )
-        )
-        is not None
-    ):
-        raise error
+    if not data_files and not Path(data_cfg.path).exists():  # streamed from the Hub (C4)
+        error = _needs_hub(f"data set {data_cfg.path} (streamed)", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+        if error is not None:
+            raise error
     _no_decompressed_read_retries()
-    ds = load_dataset(
-        data_cfg.path, data_cfg.get("config_name"), data_files=data_files, split=split, streaming=True
-    )
-    if split == data_cfg.eval_split and (subset := data_cfg.get("eval_subset", "all")) != "all":
+    ds = load_dataset(data_cfg.path, data_cfg.config_name, data_files=data_files, split=split, streaming=True)
+    if split == data_cfg.eval_split and (subset := data_cfg.eval_subset) != "all":
         ds = ds.filter(lambda _, i: i % 2 == (subset == "tune"), with_indices=True)  # disjoint halves
     if num_shards == 1:
         return ds
@@ -327,7 +320,7 @@ class SequenceStream:
 
     def __init__(
         self,
-        data_cfg: DictConfig,
+        data_cfg: DataConfig,
         tokenizer,
         split: str,
         shard: int,
@@ -456,7 +449,7 @@ class SequenceStream:
 
 
 def eval_batches(
-    data_cfg: DictConfig, tokenizer, num_tokens: int, micro_batch_size: int, shard=0, num_shards=1
+    data_cfg: DataConfig, tokenizer, num_tokens: int, micro_batch_size: int, shard=0, num_shards=1
 ):
     """The fixed held-out evaluation set: the first num_tokens/seq_len sequences of the eval split."""
     num_seqs = max(1, int(num_tokens) // int(data_cfg.seq_len))

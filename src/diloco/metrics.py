@@ -19,8 +19,12 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .files import write_atomic
+
+if TYPE_CHECKING:
+    from .schema import WandbConfig
 
 log = logging.getLogger("diloco")
 
@@ -94,7 +98,9 @@ def _finite(v):
 class RunLogger:
     """Writes the run's metrics on the main rank; a no-op elsewhere."""
 
-    def __init__(self, run_dir: Path, config: dict, wandb_cfg, enabled: bool, resume_step: int | None):
+    def __init__(
+        self, run_dir: Path, config: dict, wandb_cfg: WandbConfig, enabled: bool, resume_step: int | None
+    ):
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
@@ -120,11 +126,11 @@ class RunLogger:
                     break  # a torn last line from a crash
         write_atomic(self.path, "".join(line + "\n" for line in keep))  # a crash here keeps the old history
 
-    def _init_wandb(self, config: dict, wandb_cfg, resume_step: int | None) -> None:
+    def _init_wandb(self, config: dict, wandb_cfg: WandbConfig, resume_step: int | None) -> None:
         """One W&B run per training run. After a resume from step N its history is rewound to N
         (`resume_from`, W&B's rewind), as metrics.jsonl is, so the re-sent steps N+1.. are kept
         instead of being dropped as duplicates of steps W&B has already seen."""
-        mode = wandb_mode(wandb_cfg.get("mode"))
+        mode = wandb_mode(wandb_cfg.mode)
         if mode == "disabled":
             return
         try:
@@ -136,9 +142,9 @@ class RunLogger:
             write_atomic(id_file, run_id)
             kwargs = dict(
                 project=wandb_cfg.project,
-                entity=wandb_cfg.get("entity"),
-                group=wandb_cfg.get("group"),
-                tags=list(wandb_cfg.get("tags") or []),
+                entity=wandb_cfg.entity,
+                group=wandb_cfg.group,
+                tags=list(wandb_cfg.tags or []),
                 name=config.get("run_name"),
                 id=run_id,
                 dir=str(self.run_dir),

@@ -7,37 +7,43 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+from typing import TYPE_CHECKING
 
 import torch
-from omegaconf import DictConfig
 from transformers import LlamaConfig, LlamaForCausalLM
 
-_SHAPE_KEYS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "vocab_size",
-    "max_position_embeddings",
-    "rope_theta",
-    "rms_norm_eps",
-    "initializer_range",
-    "tie_word_embeddings",
-)
+if TYPE_CHECKING:
+    from diloco.schema import ModelConfig
 
 
-def llama_config(model_cfg: DictConfig, **extra) -> LlamaConfig:
-    """A `model/*.yaml` entry (checked by diloco.config.validate) as a LlamaConfig; `extra` goes to
-    LlamaConfig as it is (attn_implementation=...)."""
-    kwargs = {k: model_cfg[k] for k in _SHAPE_KEYS}
+def llama_config(model_cfg: ModelConfig, **extra) -> LlamaConfig:
+    """A checked model block (what diloco.config.validate returns, or a composed `model/*.yaml`, which has
+    the same fields) as a LlamaConfig; `extra` goes to LlamaConfig as it is (attn_implementation=...)."""
+    m = model_cfg
     # pad = eos = </s> (id 2) and bos = <s> (id 1), as in the Mistral-7B tokenizer and the bundled sample's.
-    return LlamaConfig(**kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=2, use_cache=False, **extra)
+    return LlamaConfig(
+        hidden_size=m.hidden_size,
+        num_hidden_layers=m.num_hidden_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads,
+        intermediate_size=m.intermediate_size,
+        vocab_size=m.vocab_size,
+        max_position_embeddings=m.max_position_embeddings,
+        rope_theta=m.rope_theta,
+        rms_norm_eps=m.rms_norm_eps,
+        initializer_range=m.initializer_range,
+        tie_word_embeddings=m.tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        use_cache=False,
+        **extra,
+    )
 
 
-def build_model(model_cfg: DictConfig, seed: int) -> LlamaForCausalLM:
+def build_model(model_cfg: ModelConfig, seed: int) -> LlamaForCausalLM:
     """A randomly initialised Llama (training starts from scratch, as in the paper), seeded."""
-    config = llama_config(model_cfg, attn_implementation=model_cfg.get("attn_implementation", "sdpa"))
+    config = llama_config(model_cfg, attn_implementation=model_cfg.attn_implementation)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)

@@ -143,7 +143,7 @@ def run(
     build: Callable[..., Strategy] = build_strategy,
 ) -> int:
     """One rank's run of the composed config `cfg`, read through what validate returns (schema.Config);
-    the raw tree is kept for the records, the data pipeline, the model and W&B. Seams for scripts and
+    the raw tree is kept only for the records (config.yaml, W&B's config). Seams for scripts and
     tests: `collective` and `transport` go to build_strategy; `build` replaces it (same signature)."""
     # ----------------------------------------------------------------------------- set-up
     raw, cfg = cfg, validate(cfg)
@@ -161,10 +161,10 @@ def run(
     accum = cfg.train.batch_size // ctx.ranks_per_worker // cfg.train.micro_batch_size  # checked above
 
     # ----------------------------------------------------------------------------- data
-    train_stream, eval_sets = build_data(raw, ctx)
+    train_stream, eval_sets = build_data(cfg, ctx)
 
     # ----------------------------------------------------------------------------- model
-    model, counts, fingerprint = build_counted_model(raw, device)
+    model, counts, fingerprint = build_counted_model(cfg, device)
 
     # ----------------------------------------------------------------------------- optimizers, strategy
     optimizer = build_optimizer(cfg, model, device)
@@ -184,7 +184,7 @@ def run(
     check_same_start(ctx, step)  # every node found the same checkpoint (or none)
     start_strategy(strategy)
     logger = RunLogger(
-        run_dir, resolved, raw.wandb, enabled=ctx.is_main, resume_step=step if ckpt_dir else None
+        run_dir, resolved, cfg.wandb, enabled=ctx.is_main, resume_step=step if ckpt_dir else None
     )
 
     # ----------------------------------------------------------------------------- loop, the end
@@ -212,7 +212,7 @@ def run(
     return exit_code
 
 
-def build_counted_model(cfg: DictConfig, device: torch.device) -> tuple[torch.nn.Module, dict, str]:
+def build_counted_model(cfg: schema.Config, device: torch.device) -> tuple[torch.nn.Module, dict, str]:
     """The model on `device`, its parameter counts (logged) and its shape fingerprint."""
     model = build_model(cfg.model, seed=cfg.seed).to(device)
     counts, fingerprint = count_parameters(model), shape_fingerprint(model)
@@ -519,7 +519,7 @@ def build_optimizer(cfg: schema.Config, model, device: torch.device) -> torch.op
     )
 
 
-def data_shard(cfg, ctx: DistContext) -> tuple[int, int]:
+def data_shard(cfg: schema.Config, ctx: DistContext) -> tuple[int, int]:
     """(shard, number of shards) of this rank's training data: data.shard, else its rank (a DumbDiLoCo
     node, ctx.shard_per_node: data.shard, else 0, shared by the node's ranks)."""
     if ctx.shard_per_node:
@@ -528,7 +528,7 @@ def data_shard(cfg, ctx: DistContext) -> tuple[int, int]:
     return shard, cfg.data.num_shards if cfg.data.num_shards is not None else ctx.world_size
 
 
-def build_data(cfg: DictConfig, ctx: DistContext) -> tuple[PrefetchedStream, dict]:
+def build_data(cfg: schema.Config, ctx: DistContext) -> tuple[PrefetchedStream, dict]:
     """This rank's training stream (its shard, prefetched) and rank 0's fixed held-out batches: "all",
     and with non-IID shards each shard's own distribution."""
     tokenizer = load_tokenizer(cfg.data.tokenizer)

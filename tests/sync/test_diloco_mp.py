@@ -164,10 +164,10 @@ def ddp_rank(ctx) -> dict:
     return {"weights": flat(model.parameters()), "records": records, "total": ddp.summary()}
 
 
-def mismatched_model(ctx) -> str | None:
+def construction_error(ctx, model) -> str | None:
+    """What building DiLoCo on `model` raises on this rank (a DistributedError's message), or None."""
     from diloco.distributed import DistributedError
 
-    model = TinyModel(hidden=512 if ctx.rank == 0 else 511)
     try:
         DiLoCo.from_config(
             check_distributed(diloco_cfg().distributed),
@@ -178,26 +178,19 @@ def mismatched_model(ctx) -> str | None:
     except DistributedError as e:
         return str(e)
     return None
+
+
+def mismatched_model(ctx) -> str | None:
+    return construction_error(ctx, TinyModel(hidden=512 if ctx.rank == 0 else 511))
 
 
 def differently_initialised_model(ctx) -> str | None:
     """Same shapes, other initial values on rank 1 (another seed or transformers version)."""
-    from diloco.distributed import DistributedError
-
     model = TinyModel()
     if ctx.rank == 1:
         with torch.no_grad():
             model.fc2.bias.add_(1e-6)
-    try:
-        DiLoCo.from_config(
-            check_distributed(diloco_cfg().distributed),
-            ctx,
-            model,
-            torch.optim.SGD(model.parameters(), lr=0.1),
-        )
-    except DistributedError as e:
-        return str(e)
-    return None
+    return construction_error(ctx, model)
 
 
 def hung_peer(ctx, timeout: float) -> dict:
