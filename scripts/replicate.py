@@ -39,6 +39,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -521,4 +522,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Ctrl+C stops the nodes (run_cluster) also when this was started from a script's background job, which
+    # inherits SIGINT ignored and so would never see it; the trainer's StopFlag installs its handler likewise
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())
