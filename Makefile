@@ -105,7 +105,7 @@ ladder: setup  ## model-size ladder: 4x DDP vs DiLoCo at 0.7M, 2.2M, 3.7M params
 tune-law: setup  ## issue 33: each method's inner lr, then DiLoCo's outer optimizer, in the scaling-law regime (262k params, 52 rounds at H=30, ~12 tokens/param), 2 seeds on the tune half (~80 min on 2 idle cores) -> results/tiny-law-tuning
 	$(PY) scripts/tune_law.py --runs $(RUNS)/tune-law
 
-ladder-law: setup  ## issue 33: 4x DDP vs DiLoCo at 133k, 262k, 689k params in that regime, lr swept per size and method, 2 seeds, beside the scaling law (~4 h on 2 idle cores; reuses tune-law's and replicate-tiny-law's runs at 262k) -> results/ladder-law
+ladder-law: setup  ## issue 33: 4x DDP vs DiLoCo at 133k, 262k, 689k params in that regime, lr swept per size and method, 2 seeds, beside the scaling law (~2 h on 2 idle cores; the largest rung at 5.8 tokens per parameter; reuses tune-law's and replicate-tiny-law's runs at 262k) -> results/ladder-law
 	$(PY) scripts/ladder_law.py --runs $(RUNS)/tune-law --family-runs $(RUNS)/tiny-law
 
 tune-tiny: setup  ## fair tuning of the tiny family on the eval split's tuning half, 2 seeds (~40 min on 2 cores) -> results/tiny-tuning

@@ -6,13 +6,15 @@ perplexity beside what the DiLoCo scaling-law fit predicts at each size.
     python scripts/ladder_law.py --runs runs/tune-law --report-only   # results/ladder-law from the runs
 
 Every rung trains in `tune_law.REGIME` (1,560 steps = 52 outer rounds at H=30, warmup 100 + cosine, fresh
-packed data) with the per-worker batch scaled so each size reads about 10-12 tokens per parameter:
+packed data) with the per-worker batch scaled so each size reads 10-12 tokens per parameter where 2 idle CPU cores allow
+it, and 5.8 at the largest rung (9 sequences per worker, for 10.4, would take about 3 of the issue's hours
+alone: its sweep and finals are 12 runs of about 12 minutes each; 5 sequences halve that):
 
 | rung | parameters | sequences per worker step | tokens (M-worker runs) | tokens / parameter |
 |---|---|---|---|---|
 | ladder_0_13m | 133,320 | 2 | 1,597,440 | 12.0 |
 | 2m (the family's size) | 262,464 | 4 | 3,194,880 | 12.2 |
-| micro | 688,768 | 9 | 7,188,480 | 10.4 (0.94 epochs) |
+| micro | 688,768 | 5 | 3,993,600 | 5.8 (0.52 epochs) |
 
 Per size and method, the sweep runs three inner learning rates at seed 1337 on the tuning half
 (`data.eval_subset=tune`); when the best is at an edge of the grid one more point past it is run. The
@@ -33,13 +35,14 @@ from pathlib import Path
 import bench_common as bc
 import tune_law
 import yaml
+from ladder import unique_train_tokens
 from plan import compose_experiment, num_parameters
 from replicate import run_local
 
 from diloco.scaling_law import from_reference
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZES = {"ladder_0_13m": 2, "2m": 4, "micro": 9}  # model -> sequences per worker per step
+SIZES = {"ladder_0_13m": 2, "2m": 4, "micro": 5}  # model -> sequences per worker per step
 METHODS = {"ddp": "tiny/ddp_mx", "diloco": "tiny/diloco_fp32"}
 LRS = (2e-3, 4e-3, 8e-3)
 WORKERS = 4
@@ -133,11 +136,28 @@ def sweep(runs: Path, size: str, method: str, seed: int, dry: bool) -> dict:
         lrs.append(edge)
 
 
+def regime(size: str) -> dict:
+    """A rung's data regime: the tokens each method's run reads, per parameter and in epochs of the sample."""
+    cfg = compose_experiment(METHODS["ddp"], overrides(size, "ddp", LRS[0], 0, "tune"))
+    params = num_parameters(cfg.model)
+    tokens = cfg.train.max_steps * cfg.train.batch_size * cfg.data.seq_len  # the M workers' tokens
+    unique = unique_train_tokens(size)
+    diloco = compose_experiment(METHODS["diloco"], overrides(size, "diloco", LRS[0], 0, "tune"))
+    rounds = diloco.train.max_steps // diloco.distributed.inner_steps
+    return {
+        "parameters": params,
+        "tokens": tokens,
+        "tokens_per_parameter": tokens / params,
+        "epochs": tokens / unique,
+        "unique_train_tokens": unique,
+        "outer_rounds": rounds,
+    }
+
+
 def rung(runs: Path, size: str, seeds: list[int], law, dry: bool, family_runs: Path | None = None) -> dict:
-    params = num_parameters(
-        compose_experiment(METHODS["ddp"], overrides(size, "ddp", LRS[0], 0, "tune")).model
-    )
-    out = {"size": size, "parameters": params, "sweeps": {}, "finals": {}}
+    data = regime(size)
+    params = data["parameters"]
+    out = {"size": size, "parameters": params, "regime": data, "sweeps": {}, "finals": {}}
     for method in METHODS:
         out["sweeps"][method] = sweep(runs, size, method, seeds[0], dry)
         best = out["sweeps"][method]["best"]
@@ -157,21 +177,23 @@ def rung(runs: Path, size: str, seeds: list[int], law, dry: bool, family_runs: P
 
 def table(rungs: list[dict]) -> str:
     lines = [
-        "| rung | parameters | best lr (DDP 4x, DiLoCo) | loss gap per seed | loss gap mean ± spread "
-        "| the law's prediction [95%] | ppl gap mean ± spread |",
-        "|---|---|---|---|---|---|---|",
+        "| rung | parameters | tokens / parameter (epochs) | best lr (DDP 4x, DiLoCo) | loss gap per seed "
+        "| loss gap mean ± spread | the law's prediction [95%] | ppl gap mean ± spread |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rungs:
         lrs = ", ".join(f"{r['sweeps'][m]['best']}" for m in METHODS)
         p = r["prediction"]
         law = f"{p['gap']:+.1%} [{p['low']:+.1%}, {p['high']:+.1%}]"
+        data = f"{r['regime']['tokens_per_parameter']:.1f} ({r['regime']['epochs']:.2f})"
+        head = f"| {r['size']} | {r['parameters']:,} | {data} | {lrs}"
         if "loss_gap" not in r:
-            lines.append(f"| {r['size']} | {r['parameters']:,} | {lrs} | (not run) | | {law} | |")
+            lines.append(f"{head} | (not run) | | {law} | |")
             continue
         g, q = r["loss_gap"], r["ppl_gap"]
         per = ", ".join(f"{x:+.2%}" for x in g["per_seed"])
         lines.append(
-            f"| {r['size']} | {r['parameters']:,} | {lrs} | {per} | {g['mean']:+.2%} ± {g['spread']:.2%} "
+            f"{head} | {per} | {g['mean']:+.2%} ± {g['spread']:.2%} "
             f"| {law} | {q['mean']:+.1%} ± {q['spread']:.1%} |"
         )
     return "\n".join(lines) + "\n"
@@ -211,7 +233,7 @@ def plot(rungs: list[dict], law, reference: dict, out: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("parameters")
     ax.set_ylabel("DiLoCo vs 4x-batch DDP, final held-out gap (%)")
-    ax.set_title("DiLoCo's gap against model size (H=30, M=4, ~10-12 tokens/parameter)", fontsize=9)
+    ax.set_title("DiLoCo's gap against model size (H=30, M=4, 5.8-12 tokens/parameter)", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     fig.tight_layout()

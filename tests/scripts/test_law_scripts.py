@@ -91,13 +91,18 @@ def test_the_ladders_262k_rung_is_the_tunings_run(method, lr):
     assert OmegaConf.to_container(rung) == OmegaConf.to_container(tuning)
 
 
-def test_the_ladders_rungs_read_ten_to_twelve_tokens_per_parameter_in_52_outer_rounds():
+def test_the_ladders_rungs_read_five_to_twelve_tokens_per_parameter_in_52_outer_rounds():
+    """10-12 tokens per parameter where 2 cores allow it; the largest rung reads 5.8 (stated in the record)."""
     for size in ladder_law.SIZES:
         for method, experiment in ladder_law.METHODS.items():
             cfg = compose_experiment(experiment, ladder_law.overrides(size, method, 2e-3, 1, "report"))
             tokens = cfg.train.max_steps * cfg.train.batch_size * cfg.data.seq_len
             tokens *= ladder_law.WORKERS if method == "diloco" else 1
-            assert 10 <= tokens / num_parameters(cfg.model) <= 12.5, (size, method)
+            low = 5 if size == "micro" else 10
+            assert low <= tokens / num_parameters(cfg.model) <= 12.5, (size, method)
+            assert tokens / num_parameters(cfg.model) == pytest.approx(
+                ladder_law.regime(size)["tokens_per_parameter"]
+            )
             assert cfg.data.eval_subset == "report"
         assert cfg.train.max_steps // cfg.distributed.inner_steps >= 50
 
