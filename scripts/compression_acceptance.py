@@ -66,12 +66,22 @@ FAMILIES = {
         "tiny-diloco-sparseloco-d0.25": ("SparseLoCo at 1,024 of 4,096", 0.01, None, None),
     },
 }
+# issue 32 in issue 33's regime: the same runs and bars in the tiny_law family (262k parameters, 52 rounds)
+FAMILIES["tiny-law-frontier"] = {
+    name.replace("tiny-", "tiny-law-", 1): bars for name, bars in FAMILIES["tiny-frontier"].items()
+}
 BARS = FAMILIES["tiny-compress"]
 # DumbDiLoCo: the FP32 run, its compressed variant, and how many times fewer bytes a delta file must be
 DUMB_FAMILIES = {
     "tiny-compress": ({"float32": "tiny-dumb-diloco-node-0", "int4": "tiny-dumb-diloco-int4-node-0"}, None),
     "tiny-frontier": ({"float32": "tiny-dumb-diloco-node-0", "topk2": "tiny-dumb-diloco-topk2-node-0"}, 60.0),
+    "tiny-law-frontier": (
+        {"float32": "tiny-law-dumb-diloco-node-0", "topk2": "tiny-law-dumb-diloco-topk2-node-0"},
+        60.0,
+    ),
 }
+# the FP32 DiLoCo run each family's configs are judged against
+BASES = {"tiny-compress": BASE, "tiny-frontier": BASE, "tiny-law-frontier": "tiny-law-diloco-fp32"}
 DUMB = DUMB_FAMILIES["tiny-compress"][0]
 
 
@@ -95,15 +105,15 @@ def spread(values: list[float]) -> dict:
     return {"per_seed": values, "mean": statistics.fmean(values), "spread": max(values) - min(values)}
 
 
-def judge(prefix: str, seeds: list[int], bars: dict = BARS) -> dict:
+def judge(prefix: str, seeds: list[int], bars: dict = BARS, base_name: str = BASE) -> dict:
     runs = {
         name: [read(Path(f"{prefix}-s{seed}") / name) for seed in seeds]
-        for name in [BASE, *bars]
+        for name in [base_name, *bars]
         if all((Path(f"{prefix}-s{seed}") / name / "summary.json").exists() for seed in seeds)
     }
-    base = runs[BASE]
+    base = runs[base_name]
     ppl0 = spread([r["final_eval_perplexity"] for r in base])
-    rows = {BASE: {"what": "FP32 (the baseline)", "ppl": ppl0, "runs": base}}
+    rows = {base_name: {"what": "FP32 (the baseline)", "ppl": ppl0, "runs": base}}
     for name, (what, ppl_bar, bytes_bar, peak_bar) in bars.items():
         if name not in runs:
             continue
@@ -146,7 +156,7 @@ def dumb(prefix: str, seeds: list[int], names: dict = DUMB, fewer_bar: float | N
     return out
 
 
-def table(rows: dict) -> list[str]:
+def table(rows: dict, base_name: str = BASE) -> list[str]:
     lines = [
         "| config | perplexity per seed | mean ± spread | gap of means | gap per seed | bytes per round "
         "(x fewer) | bits per parameter | peak bytes per sync (x fewer) | quantization error | verdicts |",
@@ -155,7 +165,7 @@ def table(rows: dict) -> list[str]:
     for name, r in rows.items():
         per = ", ".join(f"{p:.2f}" for p in r["ppl"]["per_seed"])
         cells = [f"`{name}`: {r['what']}", per, f"{r['ppl']['mean']:.2f} ± {r['ppl']['spread']:.2f}"]
-        if name == BASE:
+        if name == base_name:
             b = r["runs"][0]
             cells += ["-", "-", f"{b['comm/total_bytes'] / b['outer/rounds']:,.0f} B", "32",
                       f"{b['comm/peak_bytes_per_sync']:,} B", "-", "-"]  # fmt: skip
@@ -179,7 +189,7 @@ def main() -> None:
     ap.add_argument("--dumb", action="store_true", help="DumbDiLoCo FP32 vs int4 too")
     ap.add_argument("--out", default=str(ROOT / "results" / "tiny-compress"))
     args = ap.parse_args()
-    rows = judge(args.runs, args.seeds, FAMILIES[args.family])
+    rows = judge(args.runs, args.seeds, FAMILIES[args.family], BASES[args.family])
     names, fewer_bar = DUMB_FAMILIES[args.family]
     record = {
         "command": f"python scripts/compression_acceptance.py --family {args.family} --runs {args.runs} --seeds "
@@ -190,7 +200,7 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "configs": rows,
     }
-    lines = table(rows)
+    lines = table(rows, BASES[args.family])
     if args.dumb:
         d = record["dumb"] = dumb(args.runs, args.seeds, names, fewer_bar)
         small = list(names)[1]

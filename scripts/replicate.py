@@ -116,6 +116,16 @@ FAMILIES = {  # the order runs are started in
         "tiny/dumb_diloco",
         "tiny/dumb_diloco_topk2",
     ],
+    # issue 32 in issue 33's regime (262k parameters, 52 rounds at H=30): results/tiny-law-frontier
+    "tiny-law-frontier": [
+        "tiny_law/diloco_fp32",
+        "tiny_law/diloco_topk2",
+        "tiny_law/diloco_sparseloco",
+        "tiny_law/diloco_stream_p4",
+        "tiny_law/diloco_stream_p4_eager",
+        "tiny_law/dumb_diloco",
+        "tiny_law/dumb_diloco_topk2",
+    ],
 }
 
 # what a family's every run gets before --override's: tiny-hetero's worker/node 3 is 2x slower, every step
@@ -128,6 +138,7 @@ LOCAL_FAMILIES = {
     "tiny_law": "cpu",
     "tiny-compress": "cpu",
     "tiny-frontier": "cpu",
+    "tiny-law-frontier": "cpu",
     "tiny-hetero": "cpu",
     "gpu": "cuda",
 }
