@@ -19,13 +19,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from diloco.metrics import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "results" / "bench"
@@ -98,20 +99,7 @@ def machine() -> dict:
 def commit() -> str:
     """HEAD's sha, with -dirty when tracked files other than the records in results/ differ from it
     (`make bench` rewrites those as it goes)."""
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)results"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except Exception:  # a copy of the tree without git names its commit itself (metrics.git_commit)
-        return os.environ.get("DILOCO_GIT_COMMIT", "unknown")
+    return git_commit(ROOT, exclude=("results",))
 
 
 def head() -> dict:

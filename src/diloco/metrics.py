@@ -29,15 +29,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("diloco")
 
 
-def git_commit() -> str:
-    """HEAD's sha (-dirty when tracked files differ); a copy of the tree without git (a GPU machine's copy)
-    names its commit through DILOCO_GIT_COMMIT, else "unknown"."""
+def git_commit(cwd: Path | None = None, exclude: tuple[str, ...] = ()) -> str:
+    """HEAD's sha of the repository at `cwd` (default: the working directory), -dirty when tracked files
+    other than those under `exclude` differ from it; a copy of the tree without git (a GPU machine's
+    copy) names its commit through DILOCO_GIT_COMMIT, else "unknown"."""
+    paths = ["--", ".", *(f":(exclude){x}" for x in exclude)] if exclude else []
     try:
         sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=no", *paths],
+            cwd=cwd,
             capture_output=True,
             text=True,
             timeout=5,

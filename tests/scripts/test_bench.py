@@ -172,3 +172,33 @@ def test_labelled_runs_are_kept_side_by_side(tmp_path, name):
     for run in record["runs"].values():
         assert run["machine"]["cpu"] and run["bench_commit"] and run["command"]
     assert "before" in (tmp_path / f"{key}.md").read_text()
+
+
+def test_a_record_is_dirty_only_for_tracked_changes_outside_the_excluded_folders(tmp_path, monkeypatch):
+    """`bench_common.commit`'s rule, through metrics.git_commit: a benchmark rewriting results/ as it goes
+    stays clean; any other tracked change is -dirty; a copy without git names DILOCO_GIT_COMMIT."""
+    import subprocess
+
+    from diloco.metrics import git_commit
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "r.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "c", "--allow-empty")
+    git("add", ".")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "files")
+    sha = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    (tmp_path / "results" / "r.json").write_text('{"a": 1}')
+    (tmp_path / "untracked.txt").write_text("not counted")
+    assert git_commit(tmp_path, exclude=("results",)) == sha
+    assert git_commit(tmp_path) == f"{sha}-dirty"
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_commit(tmp_path, exclude=("results",)) == f"{sha}-dirty"
+    monkeypatch.setenv("DILOCO_GIT_COMMIT", "abc123")
+    assert git_commit(tmp_path / "no-such-folder") == "abc123"
