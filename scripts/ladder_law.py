@@ -39,7 +39,7 @@ from ladder import unique_train_tokens
 from plan import compose_experiment, num_parameters
 from replicate import run_local
 
-from diloco.scaling_law import from_reference
+from diloco.scaling_law import LossGapLaw, from_reference, t975
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"ladder_0_13m": 2, "2m": 4, "micro": 5}  # model -> sequences per worker per step
@@ -175,6 +175,34 @@ def rung(runs: Path, size: str, seeds: list[int], law, dry: bool, family_runs: P
     return out
 
 
+def slope_of(law: LossGapLaw) -> dict:
+    """A fitted line's slope in log(gap) per log(N), with its 95% confidence interval."""
+    half = t975(law.dof) * math.sqrt(law.cov[1][1])
+    return {"slope": law.slope, "low": law.slope - half, "high": law.slope + half}
+
+
+def trend(rungs: list[dict], law: LossGapLaw) -> dict | None:
+    """Whether the measured gap shrinks with size: the slope of log(gap) against log(N) fitted to every
+    seed's point of every finished rung (the same least squares as the study's law), beside the law's."""
+    points = [(r["parameters"], 100 * g) for r in rungs if "loss_gap" in r for g in r["loss_gap"]["per_seed"]]
+    sizes = {n for n, _ in points}
+    if len(sizes) < 2 or len(points) < 3 or min(g for _, g in points) <= 0:
+        return None
+    ours = LossGapLaw.fit([n for n, _ in points], [g for _, g in points], WORKERS)
+    return {"measured": slope_of(ours), "law": slope_of(law), "points": len(points)}
+
+
+def trend_line(t: dict | None) -> str:
+    if t is None:
+        return ""
+    m, w = t["measured"], t["law"]
+    return (
+        f"\nSlope of log(loss gap) on log(parameters), 95% interval: measured {m['slope']:+.3f} "
+        f"[{m['low']:+.3f}, {m['high']:+.3f}] ({t['points']} points: every seed of every rung); the law's "
+        f"{w['slope']:+.3f} [{w['low']:+.3f}, {w['high']:+.3f}] (Table 4, M={WORKERS}).\n"
+    )
+
+
 def table(rungs: list[dict]) -> str:
     lines = [
         "| rung | parameters | tokens / parameter (epochs) | best lr (DDP 4x, DiLoCo) | loss gap per seed "
@@ -266,11 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         "regime_overrides": tune_law.REGIME,
         "seeds": args.seeds,
         "rungs": rungs,
+        "trend": trend(rungs, law),
     }
     (args.out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out / "table.md").write_text(table(rungs))
+    (args.out / "table.md").write_text(table(rungs) + trend_line(record["trend"]))
     plot(rungs, law, reference, args.out / "ladder.png")
-    print(table(rungs))
+    print(table(rungs) + trend_line(record["trend"]))
     return 0
 
 

@@ -178,3 +178,21 @@ def test_the_ladders_262k_finals_are_the_familys_runs_when_their_setting_is_the_
     summary(tmp_path / "s1", family.run_name, 4.0)
     assert ladder_law.family_final(tmp_path, method, lr, 1)["final_eval_loss"] == 4.0
     assert ladder_law.family_final(tmp_path, method, lr * 2, 1) is None  # another lr: not the same run
+
+
+def test_the_ladders_trend_recovers_a_known_slope_and_says_nothing_from_one_size():
+    """gap = 0.5 N^-0.25 at three sizes, two seeds each 1% apart: the fitted slope is -0.25 and its
+    interval holds it; the law's slope comes from the study's table (negative: the gap shrinks)."""
+    law = ladder_law.from_reference(
+        ladder_law.yaml.safe_load((ROOT / "results" / "reference.yaml").read_text()), 4
+    )
+
+    def rung(n: float) -> dict:
+        g = 0.5 * n**-0.25
+        return {"parameters": n, "loss_gap": {"per_seed": [g * 0.99, g * 1.01]}}
+
+    t = ladder_law.trend([rung(1e5), rung(3e5), rung(1e6)], law)
+    assert t["measured"]["slope"] == pytest.approx(-0.25, abs=1e-9)
+    assert t["measured"]["low"] < -0.25 < t["measured"]["high"]
+    assert t["law"]["high"] < 0 and t["points"] == 6
+    assert ladder_law.trend([rung(1e5), {"parameters": 3e5}], law) is None  # one size: no slope
