@@ -68,7 +68,8 @@ FAMILIES = {
 }
 # issue 32 in issue 33's regime: the same runs and bars in the tiny_law family (262k parameters, 52 rounds)
 FAMILIES["tiny-law-frontier"] = {
-    name.replace("tiny-", "tiny-law-", 1): bars for name, bars in FAMILIES["tiny-frontier"].items()
+    name.replace("tiny-", "tiny-law-", 1): (what.replace("Nesterov 0.9", "lr 0.5 / Nesterov 0.8"), *bars)
+    for name, (what, *bars) in FAMILIES["tiny-frontier"].items()
 }
 BARS = FAMILIES["tiny-compress"]
 # DumbDiLoCo: the FP32 run, its compressed variant, and how many times fewer bytes a delta file must be

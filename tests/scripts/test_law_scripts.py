@@ -196,3 +196,18 @@ def test_the_ladders_trend_recovers_a_known_slope_and_says_nothing_from_one_size
     assert t["measured"]["low"] < -0.25 < t["measured"]["high"]
     assert t["law"]["high"] < 0 and t["points"] == 6
     assert ladder_law.trend([rung(1e5), {"parameters": 3e5}], law) is None  # one size: no slope
+
+
+def test_the_law_regime_frontier_record_judges_every_run_the_family_makes():
+    """scripts/compression_acceptance.py's tiny-law-frontier rows name the runs `replicate.py --family
+    tiny-law-frontier` makes (a renamed run would drop out of the record without a word)."""
+    import compression_acceptance as ca
+    from replicate import FAMILIES
+
+    judged = {ca.BASES["tiny-law-frontier"], *ca.FAMILIES["tiny-law-frontier"]}
+    dumb = {name.removesuffix("-node-0") for name in ca.DUMB_FAMILIES["tiny-law-frontier"][0].values()}
+    for experiment in FAMILIES["tiny-law-frontier"]:
+        cfg = compose_experiment(experiment)
+        assert cfg.run_name in judged | dumb, experiment
+        assert cfg.train.max_steps == tune_law.STEPS and cfg.model.name == "2m"
+    assert all("Nesterov 0.9" not in what for what, *_ in ca.FAMILIES["tiny-law-frontier"].values())
