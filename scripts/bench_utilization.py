@@ -25,7 +25,10 @@ reports 90-95%; the target for the asynchronous mode is >= 99%. Tokens/s relativ
 communication are reported too (on 2 shared CPU cores they also include the background threads'
 competition for the cores).
 
-    python scripts/bench_utilization.py          # ~3 minutes
+    python scripts/bench_utilization.py          # every mode at 1-10,000 Mbit/s: long (at 1 Mbit/s an FP32
+                                                 # round waits minutes on its link)
+    python scripts/bench_utilization.py --modes "DiLoCo topk2 P=4 eager" --bandwidths-mbit 1 10 \
+        --out results/bench/eager-1mbit          # issue 32's bar alone
     python scripts/bench_utilization.py --tiny
 """
 
@@ -51,6 +54,8 @@ TARGET_ASYNC = 0.99
 TARGET_STREAMING_10MBIT = 0.95  # issue 13: overlap + 4-bit at 10 Mbit/s paper-equivalent
 TARGET_EAGER_1MBIT = 0.95  # issue 32: eager updates (the whole round overlapped) at 1 Mbit/s paper-equivalent
 BANDWIDTHS_MBIT = [1, 10, 100, 1000, 10000]
+MODES = ["DiLoCo FP32", "DiLoCo FP16", "DiLoCo int4", "DiLoCo int4 P=4 overlap", "DumbDiLoCo v2"]
+MODES += ["DiLoCo topk2", "DiLoCo int4 P=4 eager", "DiLoCo topk2 P=4 eager"]
 DTYPES = {"FP32": "float32", "FP16": "float16", "int4": "int4", "topk2": "topk2"}  # a mode's second word
 
 
@@ -189,6 +194,12 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidths-mbit", type=float, nargs="+", default=BANDWIDTHS_MBIT)
     p.add_argument("--paper-step-seconds", type=float, default=PAPER_STEP_S)
     p.add_argument("--workers", type=int, default=PAPER_WORKERS, help="W of the simulated ring all-reduce")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        help="only these modes (default: all; a slow link's FP32 rounds take minutes each)",
+    )
     args = bc.finish_args(p.parse_args(argv))
     h, rounds, bandwidths = args.inner_steps, args.rounds, args.bandwidths_mbit
     base = [
@@ -197,8 +208,7 @@ def main(argv=None) -> int:
         "optim.lr=3e-3", "optim.warmup_steps=10", "optim.total_steps=1000", "device=cpu", "wandb.mode=disabled",
         "resume=never",
     ]  # fmt: skip
-    modes = ["DiLoCo FP32", "DiLoCo FP16", "DiLoCo int4", "DiLoCo int4 P=4 overlap", "DumbDiLoCo v2"]
-    modes += ["DiLoCo topk2", "DiLoCo int4 P=4 eager", "DiLoCo topk2 P=4 eager"]
+    modes = args.modes or MODES
     if args.tiny:
         h, rounds, bandwidths = 2, 1, [100]
         modes = ["DiLoCo FP32", "DiLoCo int4 P=4 overlap", "DiLoCo topk2 P=4 eager", "DumbDiLoCo v2"]
