@@ -80,7 +80,7 @@ replicate-tiny: setup  ## the whole CPU-scale family here at 2 seeds (~8 min per
 	$(PY) scripts/check.py --family tiny --runs $(RUNS)/tiny
 
 # issue 33: the family in the scaling-law regime, 2 seeds (the long one; replicate-tiny stays short)
-replicate-tiny-law: setup  ## the CPU family in the scaling-law regime (262k params, 12.2 tokens/param, 52 rounds at H=30; settings from results/tiny-law-tuning) at 2 seeds (~30 min per seed on 2 idle cores), then its report and check
+replicate-tiny-law: setup  ## the CPU family in the scaling-law regime (262k params, 12.2 tokens/param, 52 rounds at H=30; settings from results/tiny-law-tuning) at 2 seeds (~20-25 min per seed on 2 idle cores), then its report and check
 	@set -e; for s in $(TINY_SEEDS); do $(PY) scripts/replicate.py --family tiny_law --runs $(RUNS)/tiny-law/s$$s --override seed=$$s; done
 	$(PY) scripts/report.py --family tiny_law --runs $(RUNS)/tiny-law
 	$(PY) scripts/check.py --family tiny_law --runs $(RUNS)/tiny-law
