@@ -39,7 +39,7 @@ from ladder import unique_train_tokens
 from plan import compose_experiment, num_parameters
 from replicate import run_local
 
-from diloco.scaling_law import LossGapLaw, from_reference, t975
+from diloco.scaling_law import LossGapLaw, from_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"ladder_0_13m": 2, "2m": 4, "micro": 5}  # model -> sequences per worker per step
@@ -177,8 +177,8 @@ def rung(runs: Path, size: str, seeds: list[int], law, dry: bool, family_runs: P
 
 def slope_of(law: LossGapLaw) -> dict:
     """A fitted line's slope in log(gap) per log(N), with its 95% confidence interval."""
-    half = t975(law.dof) * math.sqrt(law.cov[1][1])
-    return {"slope": law.slope, "low": law.slope - half, "high": law.slope + half}
+    low, high = law.slope_interval()
+    return {"slope": law.slope, "low": low, "high": high}
 
 
 def trend(rungs: list[dict], law: LossGapLaw) -> dict | None:
@@ -296,10 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         "rungs": rungs,
         "trend": trend(rungs, law),
     }
+    text = table(rungs) + trend_line(record["trend"])
     (args.out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out / "table.md").write_text(table(rungs) + trend_line(record["trend"]))
+    (args.out / "table.md").write_text(text)
     plot(rungs, law, reference, args.out / "ladder.png")
-    print(table(rungs) + trend_line(record["trend"]))
+    print(text)
     return 0
 
 

@@ -85,6 +85,11 @@ class LossGapLaw:
         cov = ((var_intercept, cov_ab), (cov_ab, var_slope))
         return cls(workers, intercept, slope, residual_var, cov, n - 2, (min(params), max(params)))
 
+    def slope_interval(self) -> tuple[float, float]:
+        """The 95% confidence interval of the fitted slope (Student t with the fit's dof)."""
+        half = t975(self.dof) * math.sqrt(self.cov[1][1])
+        return self.slope - half, self.slope + half
+
     def predict(self, params: float) -> Prediction:
         """The gap at `params` with its 95% prediction interval (a new point's, not the mean line's)."""
         x = math.log(params)

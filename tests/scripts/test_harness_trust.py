@@ -122,19 +122,18 @@ def report_verdicts(report_md: Path) -> list[tuple]:
 
 
 @pytest.mark.parametrize(
-    ("record", "counts"),
+    ("record", "family", "counts"),
     [
         # the first record: C1 and ASYNC failed when it was made
-        ("tiny", "5 passed, 2 failed, 0 pending"),
+        ("tiny", "tiny", "5 passed, 2 failed, 0 pending"),
         # the current one, 2 seeds: C1 fails, ASYNC's seeds straddle its bar
-        ("tiny-2026-12-02", "5 passed, 1 failed, 0 pending, 1 uncertain"),
+        ("tiny-2026-12-02", "tiny", "5 passed, 1 failed, 0 pending, 1 uncertain"),
         # the scaling-law regime (issue 33), 2 seeds: C1 judged against the law's interval at 262k params
         # (below it) and C4 read from the curves both fail
-        ("tiny-law", "7 passed, 2 failed, 0 pending"),
+        ("tiny-law", "tiny_law", "7 passed, 2 failed, 0 pending"),
     ],
 )
-def test_a_committed_tiny_record_is_judged_with_its_verdicts(capsys, record, counts):
-    family = "tiny_law" if record == "tiny-law" else "tiny"
+def test_a_committed_tiny_record_is_judged_with_its_verdicts(capsys, record, family, counts):
     record = ROOT / "results" / record
     assert sorted(verdicts(record, family)) == report_verdicts(record / "report.md")
     assert check_script.main(["--runs", str(record)]) == 1
