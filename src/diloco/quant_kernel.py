@@ -9,6 +9,15 @@ eager reference in diloco.quant computes (same operations in the same order, no 
 -ffp-contract=off), so the codes and residuals are bit for bit the same on either path
 (tests/sync/test_quant.py); only the float64 error statistics are summed in another order.
 
+And diloco.sparse's topk2 encoding (`topk_encode`), fused the same way: per chunk of up to 4,096 values,
+carry * decay + pseudo-gradient in one vectorized pass, a threshold from a strided sample of 256 keeps
+about 2k candidates (packed with AVX-512 or AVX2 compress where the CPU has them), the k-th and
+ceil(k/2)-th largest found bit by bit by counting (no sort, no branch on the data), then the levels,
+codes and the carry left behind. Eager torch takes 13x the bandwidth floor for it (topk, gather, scatter
+and norms over the whole bucket). The kept set is defined by a total order (ties to the lower index) and
+the level sums by one fixed order, so here too the bytes and the carry equal the torch ops' bit for bit
+(tests/sync/test_sparse.py, on the native, AVX2 and portable builds).
+
 Built once per machine with the C compiler (`cc`, as torch.utils.cpp_extension uses one) into
 ~/.cache/diloco (or $DILOCO_KERNEL_CACHE) and loaded with ctypes, which releases the GIL: the blocks are
 split over torch.get_num_threads() threads. Without a compiler, or with DILOCO_QUANT_KERNEL=torch,
@@ -128,6 +137,198 @@ void decode(const uint8_t *codes, const uint8_t *scales, float *out, int64_t cou
             memcpy(out + i0, d, m * sizeof(float));
     }
 }
+
+/* ---- topk2 (diloco.sparse): the k largest magnitudes of each chunk, 2-bit values, error feedback ---- */
+
+/* The r-th largest of key[0, m) (keys below 2^31, 1 <= r <= m): bit by bit from the top, the largest t
+   with at least r keys >= t. Counts only: no branch on the data, and it vectorizes. */
+static uint32_t nth_key(const uint32_t *key, int64_t m, int64_t r) {
+    int32_t t = 0;
+    for (int bit = 30; bit >= 0; bit--) {
+        const int32_t trial = t | (int32_t)1 << bit;
+        int32_t count = 0;
+        for (int64_t i = 0; i < m; i++) count += (int32_t)key[i] >= trial;
+        if (count >= r) t = trial;
+    }
+    return (uint32_t)t;
+}
+
+static int64_t count_above(const uint32_t *key, int64_t m, uint32_t t) {
+    int32_t count = 0;
+    for (int64_t i = 0; i < m; i++) count += key[i] > t;
+    return count;
+}
+
+/* The sum of m[0, w) where sel[i] == want (the others as zeros), added pairwise over w zero-padded to a
+   power of two, as diloco.sparse.levels; then divided by count. t: scratch for 2w values. */
+static float tree_mean(const float *m, const uint8_t *sel, uint8_t want, int64_t w, int64_t count, float *t) {
+    int64_t p = 1;
+    while (p < w) p *= 2;
+    for (int64_t i = 0; i < p; i++) t[i] = i < w && sel[i] == want ? m[i] : 0.f;
+    for (; p > 1; p /= 2)
+        for (int64_t i = 0; i < p / 2; i++) t[i] = t[2 * i] + t[2 * i + 1];
+    return t[0] / (float)count;
+}
+
+static inline uint32_t key_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u & 0x7fffffffu; }
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* Every i < chunk whose key is >= t, in order: its key into key[], i into at[] (room for chunk + 16
+   each); returns how many. Packed 16 (AVX-512) or 8 (AVX2) at a time where the CPU can. */
+static int64_t candidates(const float *v, int64_t chunk, uint32_t t, uint32_t *key, uint32_t *at) {
+    int64_t m = 0, i = 0;
+#if defined(__AVX512F__)
+    const __m512i tv = _mm512_set1_epi32((int)t), absmask = _mm512_set1_epi32(0x7fffffff);
+    __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; i + 16 <= chunk; i += 16) {
+        const __m512i kv = _mm512_and_si512(_mm512_loadu_si512(v + i), absmask);
+        const __mmask16 keep = _mm512_cmpge_epi32_mask(kv, tv); /* keys and t are below 2^31 */
+        _mm512_mask_compressstoreu_epi32(key + m, keep, kv);
+        _mm512_mask_compressstoreu_epi32(at + m, keep, iota);
+        iota = _mm512_add_epi32(iota, _mm512_set1_epi32(16));
+        m += __builtin_popcount(keep);
+    }
+#elif defined(__AVX2__)
+    static int32_t lut[256][8];
+    static int lut_ready = 0;
+    if (!lut_ready) { /* lut[mask]: the lanes set in mask, in order (benign race: every thread writes the same) */
+        for (int mask = 0; mask < 256; mask++)
+            for (int l = 0, o = 0; l < 8; l++)
+                if (mask >> l & 1) lut[mask][o++] = l;
+        lut_ready = 1;
+    }
+    const __m256i tv = _mm256_set1_epi32((int)t), absmask = _mm256_set1_epi32(0x7fffffff);
+    for (; i + 8 <= chunk; i += 8) {
+        const __m256i kv = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(v + i)), absmask);
+        const __m256i ge = _mm256_cmpgt_epi32(kv, _mm256_sub_epi32(tv, _mm256_set1_epi32(1)));
+        const int keep = _mm256_movemask_ps(_mm256_castsi256_ps(ge)); /* key > t - 1 */
+        const __m256i perm = _mm256_loadu_si256((const __m256i *)lut[keep]);
+        _mm256_storeu_si256((__m256i *)(key + m), _mm256_permutevar8x32_epi32(kv, perm));
+        _mm256_storeu_si256((__m256i *)(at + m), _mm256_add_epi32(perm, _mm256_set1_epi32((int)i)));
+        m += __builtin_popcount(keep);
+    }
+#endif
+    for (; i < chunk; i++) {
+        key[m] = key_of(v[i]);
+        at[m] = (uint32_t)i;
+        m += key[m] >= t;
+    }
+    return m;
+}
+
+/* The k largest of v[0, chunk) by magnitude (key = |v| as bits, ties to the lower index), in the order of
+   their indices: idx[0, k), their magnitudes and hi[j] = 1 for the ceil(k/2) largest. A threshold, the
+   r-th largest of a strided sample of 256, keeps about 2k candidates (fewer than k, and r doubles; past
+   the sample, every value); nth_key finds the k-th and the ceil(k/2)-th largest key among them, and of
+   the keys equal to one, the lower indices come first. key: scratch for chunk + 16 values, at: for 256 + chunk + 16. */
+static void select_top(const float *v, int64_t chunk, int64_t k, uint32_t *key, uint32_t *at, int64_t *idx,
+                       float *mag, uint8_t *hi) {
+    const int64_t stride = chunk >= 512 ? chunk / 256 : 1, s = chunk / stride, h = (k + 1) / 2;
+    for (int64_t j = 0; j < s; j++) at[j] = key_of(v[j * stride]);
+    int64_t m = 0;
+    for (int64_t r = 2 * k * s / chunk + 3; m < k; r *= 2)
+        m = candidates(v, chunk, r < s ? nth_key(at, s, r) : 0, key, at + s);
+    const uint32_t kk = nth_key(key, m, k), kh = nth_key(key, m, h);
+    int64_t ties_k = k - count_above(key, m, kk), ties_h = h - count_above(key, m, kh);
+    for (int64_t i = 0, j = 0; i < m; i++) {
+        int keep = key[i] > kk, up = key[i] > kh;
+        if (key[i] == kk && ties_k > 0) { keep = 1; ties_k--; }
+        if (key[i] == kh && ties_h > 0) { up = 1; ties_h--; }
+        memcpy(mag + j, key + i, 4); /* room for k + 1: j moves on only when kept */
+        idx[j] = at[s + i];
+        hi[j] = (uint8_t)up;
+        j += keep;
+    }
+}
+
+/* v[0, chunk) <- v * decay + x (x may be NULL; only the first m take x); returns sum v^2 over the first
+   m (float lanes: a metric) and adds their non-zeros to *nz. 8 at a time where the chunk is whole. */
+static double scale_add(float *v, const float *x, float decay, int64_t chunk, int64_t m, int64_t *nz) {
+    if (x && m == chunk && chunk % 8 == 0) {
+        vf sq = {0};
+        vi cnt = {0};
+        for (int64_t i = 0; i < chunk; i += 8) {
+            vf a, b;
+            memcpy(&a, v + i, 32);
+            memcpy(&b, x + i, 32);
+            a = a * decay + b;
+            memcpy(v + i, &a, 32);
+            sq += a * a;
+            cnt -= a != 0.f;
+        }
+        double s = 0;
+        for (int l = 0; l < 8; l++) { s += sq[l]; *nz += cnt[l]; }
+        return s;
+    }
+    double s = 0;
+    for (int64_t i = 0; i < chunk; i++) {
+        v[i] = v[i] * decay;
+        if (x && i < m) v[i] = v[i] + x[i];
+        if (i < m) { s += (double)v[i] * v[i]; *nz += v[i] != 0.f; }
+    }
+    return s;
+}
+
+static double sum_sq(const float *v, int64_t m) {
+    vf acc = {0};
+    int64_t i = 0;
+    for (; i + 8 <= m; i += 8) { vf a; memcpy(&a, v + i, 32); acc += a * a; }
+    double s = 0;
+    for (int l = 0; l < 8; l++) s += acc[l];
+    for (; i < m; i++) s += (double)v[i] * v[i];
+    return s;
+}
+
+/* Chunks [c0, c1) of y (FP32, chunk values each; n real values in all, then zero padding): y <- y * decay
+   + x (x: the n values, or NULL), then the chunk's payload (codes, indices, scales: diloco.sparse's
+   format) and y <- y - decoded, the padding zeroed. stats += {sum y^2, sum (y - decoded)^2, #(y != 0,
+   decoded == 0)} over the n real values. */
+void topk_encode(float *y, const float *x, float decay, int64_t n, int64_t chunk, int64_t k, int64_t c0,
+                 int64_t c1, uint8_t *codes, uint8_t *indices, uint8_t *scales, double *stats) {
+    const int64_t h = (k + 1) / 2, cb = (k + 3) / 4, ib = 3 * ((k + 1) / 2);
+    uint32_t key[chunk + 16], at[256 + chunk + 16];
+    float mag[k + 1], t[2 * k];
+    int64_t idx[k + 1];
+    uint8_t code[k + 4], hi[k + 1];
+    double s_sq = 0, s_se = 0;
+    int64_t s_un = 0;
+    for (int64_t c = c0; c < c1; c++) {
+        float *v = y + c * chunk;
+        const int64_t i0 = c * chunk, m = n - i0 < chunk ? (n - i0 > 0 ? n - i0 : 0) : chunk;
+        s_sq += scale_add(v, x ? x + i0 : NULL, decay, chunk, m, &s_un);
+        select_top(v, chunk, k, key, at, idx, mag, hi);
+        const uint16_t up = to_bf16(tree_mean(mag, hi, 1, k, h, t));
+        const uint16_t lo = k > h ? to_bf16(tree_mean(mag, hi, 0, k, k - h, t)) : 0;
+        const float lv[2] = {from_bf16(lo), from_bf16(up)};
+        for (int64_t j = 0; j < k; j++) {
+            const float kept = v[idx[j]];
+            const int neg = kept < 0.f, is_hi = hi[j];
+            const float sent = neg ? -lv[is_hi] : lv[is_hi];
+            code[j] = (uint8_t)(neg | is_hi << 1);
+            v[idx[j]] = kept - sent;
+            s_un -= kept != 0.f && sent != 0.f && idx[j] < m;
+        }
+        for (int64_t i = m; i < chunk; i++) v[i] = 0.f;
+        for (int64_t j = k; j < k + 4; j++) code[j] = 0;
+        idx[k] = 0;
+        uint8_t *co = codes + c * cb, *io = indices + c * ib;
+        for (int64_t b = 0; b < cb; b++)
+            co[b] = code[4 * b] | code[4 * b + 1] << 2 | code[4 * b + 2] << 4 | code[4 * b + 3] << 6;
+        for (int64_t p = 0; p < ib / 3; p++) {
+            const int64_t a = idx[2 * p], b = idx[2 * p + 1];
+            io[3 * p] = (uint8_t)(a & 0xff);
+            io[3 * p + 1] = (uint8_t)(a >> 8 | (b & 0xf) << 4);
+            io[3 * p + 2] = (uint8_t)(b >> 4);
+        }
+        memcpy(scales + 4 * c, &lo, 2);
+        memcpy(scales + 4 * c + 2, &up, 2);
+        s_se += sum_sq(v, m);
+    }
+    stats[0] += s_sq; stats[1] += s_se; stats[2] += (double)s_un;
+}
 """
 
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
@@ -156,21 +357,28 @@ def _compile(flags: list[str], so: Path) -> None:
         os.replace(out, so)  # atomic: a concurrent build of the same source lands the same file
 
 
-def _build() -> ctypes.CDLL:
-    key = hashlib.sha256(f"{SOURCE}{FLAGS}{platform.machine()}{_cpu()}".encode()).hexdigest()[:16]
+def build(isa: list[str] | None = None) -> ctypes.CDLL:
+    """The kernel compiled for this CPU (-march=native, else the compiler's default target), or for the
+    instruction sets `isa` names (["-mavx2", "-mno-avx512f"]: the AVX2 path; []: the portable one), cached
+    per source, flags and CPU. A compiler that refuses `isa` raises CalledProcessError."""
+    flags = [*FLAGS, *(isa if isa is not None else [NATIVE])]
+    key = hashlib.sha256(f"{SOURCE}{flags}{platform.machine()}{_cpu()}".encode()).hexdigest()[:16]
     cache = Path(os.environ.get("DILOCO_KERNEL_CACHE") or Path.home() / ".cache" / "diloco")
     so = cache / f"quant_kernel_{key}.so"
     if not so.exists():
         cache.mkdir(parents=True, exist_ok=True)
         try:
-            _compile([*FLAGS, NATIVE], so)
-        except subprocess.CalledProcessError:  # a compiler without -march=native
-            _compile(FLAGS, so)
+            _compile(flags, so)
+        except subprocess.CalledProcessError:
+            if isa is not None:
+                raise
+            _compile(FLAGS, so)  # a compiler without -march=native
     lib = ctypes.CDLL(str(so))
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.encode.argtypes = [p, p, p, i64, ctypes.c_int, i64, i64, i64, p, p, p]
     lib.decode.argtypes = [p, p, p, i64, ctypes.c_int, i64, i64, i64, ctypes.c_int]
-    lib.encode.restype = lib.decode.restype = None
+    lib.topk_encode.argtypes = [p, p, f32, i64, i64, i64, i64, i64, p, p, p, p]
+    lib.encode.restype = lib.decode.restype = lib.topk_encode.restype = None
     return lib
 
 
@@ -181,7 +389,7 @@ def kernel() -> ctypes.CDLL | None:
         return None
     if _lib is None:
         try:
-            _lib = _build()
+            _lib = build()
         except Exception as e:  # no compiler, no writable cache, ...: the torch ops do the same
             log.warning("quantization runs in eager torch (no C kernel: %s)", str(e).splitlines()[0])
             _lib = False
@@ -237,3 +445,16 @@ def decode(codes, scales, out, bits: int, block: int, accumulate: bool) -> None:
     ranges = _ranges(-(-count // block))
     args = (_ptr(codes), _ptr(scales), _ptr(out), count, bits, block)
     _run([lambda r=r: lib.decode(*args, *r, int(accumulate)) for r in ranges])
+
+
+def topk_encode(y, x, decay: float, n: int, k: int, codes, indices, scales) -> tuple[float, float, int]:
+    """diloco.sparse.encode_ on y (FP32 [chunks, chunk]): y <- y * decay + x (x: FP32 [n] or None), the
+    payload's codes, indices and scales, y <- what the payload lost. Returns (sum y^2, sum of squared
+    errors, #underflows) over the n real values."""
+    lib, (chunks, chunk) = kernel(), y.shape
+    ranges = _ranges(chunks)
+    stats = [(ctypes.c_double * 3)() for _ in ranges]
+    args = (_ptr(y), _ptr(x), decay, n, chunk, k)
+    outs = (_ptr(codes), _ptr(indices), _ptr(scales))
+    _run([lambda r=r, s=s: lib.topk_encode(*args, *r, *outs, s) for r, s in zip(ranges, stats)])
+    return sum(s[0] for s in stats), sum(s[1] for s in stats), int(sum(s[2] for s in stats))

@@ -4,23 +4,30 @@ behind the same `average_` seam as comm.Averager and quant.QuantizedAverager. Sp
 what one bucket of DiLoCo sends.
 
 Wire format of one flat FP32 bucket of n elements, cut into chunks of C = `topk_chunk` values (the last
-one zero-padded), keeping k = round(topk_density * C) of each (`topk_count`):
+one zero-padded), keeping k = round(topk_density * C) of each (`topk_count`), listed in the order of
+their in-chunk positions:
 
     codes    ceil(k/4) bytes per chunk: four 2-bit codes per byte (first code in the low bits)
-    indices  3 * ceil(k/2) bytes per chunk: the in-chunk positions, 12 bits each (C <= 4096), packed in
-             pairs (a, b) as bytes a & 0xff, a >> 8 | (b & 0xf) << 4, b >> 4; an odd k pads one 0
+    indices  3 * ceil(k/2) bytes per chunk: the in-chunk positions, increasing, 12 bits each (C <= 4096),
+             packed in pairs (a, b) as bytes a & 0xff, a >> 8 | (b & 0xf) << 4, b >> 4; an odd k pads one 0
     scales   2 bfloat16 per chunk: the low and the high level (lo, hi)
 
 so payload_bytes(n) = chunks * (ceil(k/4) + 3 ceil(k/2) + 4): 116 bytes per 4,096 values at k = 64, 0.227
 bits per parameter. A code is bit 0 = sign (1: negative), bit 1 = level (1: hi), decoding to -+lo, -+hi.
 
-The levels: the k kept values sorted by magnitude are split in half, the ceil(k/2) largest take the high
-level, the rest the low one, and each level is the mean magnitude of the values it stands for. That is
-the least-squares level of each half (Lloyd's condition), and it keeps each half's L1 mass: the errors
-of one level sum to zero (up to the bfloat16 rounding of the level), so the code is unbiased on average
-over a chunk, though not per element. Error feedback carries the rest. (A chunk with fewer than k
-non-zero values, as the zero padding of a bucket's last one, sends some zeros at the low level: the
-padding's are dropped on decoding, a real zero's error is carried.)
+The kept values are the k largest magnitudes of the chunk, ties going to the lower position: a total
+order, so every path keeps the same ones. The levels: the ceil(k/2) largest take the high level, the
+rest the low one, and each level is the mean magnitude of the values it stands for, summed in one fixed
+order (`tree_sum`). That is the least-squares level of each half (Lloyd's condition), and it keeps each
+half's L1 mass: the errors of one level sum to zero (up to the bfloat16 rounding of the level), so the
+code is unbiased on average over a chunk, though not per element. Error feedback carries the rest. (A
+chunk with fewer than k non-zero values, as the zero padding of a bucket's last one, sends some zeros at
+the low level: the padding's are dropped on decoding, a real zero's error is carried.)
+
+On CPU the encoding runs in diloco.quant_kernel's fused `topk_encode` (one pass to add the carry, a
+sampled threshold, a few passes over the chunk in L1: about the memory-bandwidth floor,
+results/bench/quant.json); elsewhere in the torch ops of `encode_`. Both give the same bytes and carry
+bit for bit (tests/sync/test_sparse.py).
 
 Averaging: payloads do not sum, so every worker all-gathers them and each decodes all W payloads, adds
 them in FP32 in rank order and divides by W: every worker computes the same operations on the same bytes,
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 import torch
 
+from diloco import quant_kernel
 from diloco.comm import CastStats, Collective
 
 TOPK_DTYPE = "topk2"
@@ -112,12 +120,25 @@ def _sections(payload: torch.Tensor, chunks: int, k: int) -> tuple[torch.Tensor,
 # --------------------------------------------------------------------------- encode, decode
 
 
-def levels(magnitudes: torch.Tensor) -> torch.Tensor:
-    """[chunks, k] magnitudes sorted in descending order -> bfloat16 [chunks, 2]: (lo, hi), each the mean
-    of its half (the ceil(k/2) largest are hi; lo is 0 when k = 1)."""
-    h = -(-magnitudes.shape[1] // 2)
-    hi = magnitudes[:, :h].mean(dim=1)
-    lo = magnitudes[:, h:].mean(dim=1) if magnitudes.shape[1] > h else torch.zeros_like(hi)
+def tree_sum(m: torch.Tensor) -> torch.Tensor:
+    """[chunks, w] -> [chunks]: each row summed pairwise, zero-padded to a power of two. One fixed order of
+    float additions, so the C kernel (diloco.quant_kernel) and any device give the same bits."""
+    w = m.shape[1]
+    m = torch.nn.functional.pad(m, (0, (1 << (w - 1).bit_length()) - w))
+    while m.shape[1] > 1:
+        m = m[:, 0::2] + m[:, 1::2]
+    return m[:, 0]
+
+
+def levels(magnitudes: torch.Tensor, is_hi: torch.Tensor) -> torch.Tensor:
+    """[chunks, k] magnitudes and whether each is one of the ceil(k/2) largest -> bfloat16 [chunks, 2]:
+    (lo, hi), each the mean of its half (lo is 0 when k = 1), summed by tree_sum over all k in order with
+    the other half's entries as zeros."""
+    k = magnitudes.shape[1]
+    h = -(-k // 2)
+    zero = torch.zeros((), device=magnitudes.device)
+    hi = tree_sum(torch.where(is_hi, magnitudes, zero)) / h
+    lo = tree_sum(torch.where(is_hi, zero, magnitudes)) / (k - h) if k > h else torch.zeros_like(hi)
     return torch.stack([lo, hi], dim=1).to(torch.bfloat16)
 
 
@@ -128,39 +149,59 @@ def values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 def select(y: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-    """y [chunks, C] -> the k of each chunk largest in magnitude, in descending order: (indices int64
-    [chunks, k], their values FP32, their codes uint8, the chunk's levels bfloat16 [chunks, 2])."""
-    magnitudes, idx = y.abs().topk(k, dim=1, sorted=True)
+    """y [chunks, C] -> the k of each chunk largest in magnitude (ties: the lower index first), in the
+    order of their indices: (indices int64 [chunks, k], their values FP32, their codes uint8, the chunk's
+    levels bfloat16 [chunks, 2]). The order is total, so every path keeps the same ones: a magnitude's
+    bits order as the magnitudes do, and the low 12 bits of a key rank the lower index higher."""
+    low = MAX_CHUNK - 1
+    bits = y.abs().view(torch.int32).long()  # non-negative (NaN above inf)
+    keys, _ = ((bits << 12) | (low - torch.arange(y.shape[1], device=y.device))).topk(k, dim=1)
+    idx, rank = (low - (keys & low)).sort(dim=1)  # rank: the place in descending order of magnitude
+    is_hi = rank < -(-k // 2)  # the larger half: hi
+    magnitudes = (keys >> 12).to(torch.int32).view(torch.float32).gather(1, rank)
     kept = y.gather(1, idx)
-    is_hi = torch.arange(k, device=y.device) < -(-k // 2)  # the larger half: hi
     codes = (kept < 0).to(torch.uint8) | (is_hi.to(torch.uint8) << 1)
-    return idx, kept, codes, levels(magnitudes)
+    return idx, kept, codes, levels(magnitudes, is_hi)
 
 
-def encode_(y: torch.Tensor, k: int, n: int, out: torch.Tensor | None = None):
-    """The payload of y (FP32 [chunks, C]: n values, then zero padding); y <- y - decoded, what the
-    payload loses (error feedback's carry; the padding stays zero). Returns (payload uint8
-    [payload_bytes], (||y||^2, ||y - sent||^2, #non-zero values sent as zero) over the n values), as
-    quant.encode does."""
+def encode_(
+    y: torch.Tensor,
+    k: int,
+    n: int,
+    out: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
+    decay: float = 1.0,
+):
+    """y <- y * decay + add (FP32 [chunks, C]: n values, then zero padding; add: FP32 [n] or None), then
+    the payload of y, and y <- y - decoded, what the payload loses (error feedback's carry; the padding
+    stays zero). Returns (payload uint8 [payload_bytes], (||y||^2, ||y - sent||^2, #non-zero values sent
+    as zero) over the n values), as quant.encode does. On CPU the fused kernel (diloco.quant_kernel),
+    elsewhere these torch ops: the same bits either way (the float64 sums up to their order)."""
     chunks, chunk = y.shape
     if out is None:
         out = torch.empty(chunks * chunk_payload_bytes(k), dtype=torch.uint8, device=y.device)
     codes_out, indices_out, scales_out = _sections(out, chunks, k)
+    if y.dtype == torch.float32 and quant_kernel.usable(y, add, out):
+        return out, quant_kernel.topk_encode(y, add, decay, n, k, codes_out, indices_out, scales_out)
     flat = y.view(-1)
-    norm = torch.linalg.vector_norm(flat[:n])  # float32: a metric
+    if decay != 1:
+        y.mul_(decay)
+    if add is not None:
+        flat[:n].add_(add)
     nonzero = torch.count_nonzero(flat[:n])
+    sq_norm = flat[:n].double().square().sum()  # a metric
     idx, kept, codes, scales = select(y, k)
     sent = values(codes, scales)
     y.scatter_(1, idx, kept - sent)  # the rest of y was not sent at all
     flat[n:].zero_()  # a kept zero of the padding decodes to the low level: not carried
-    err = torch.linalg.vector_norm(flat[:n])
+    sq_err = flat[:n].double().square().sum()
     real = idx + torch.arange(chunks, device=y.device)[:, None] * chunk < n
     under = nonzero - ((kept != 0) & (sent != 0) & real).sum()
     codes_out.copy_(pack_codes(codes))
     indices_out.copy_(pack_indices(idx))
     scales_out.copy_(scales.view(torch.uint8))
-    norm, err, under = torch.stack([norm.double(), err.double(), under.double()]).tolist()
-    return out, (norm**2, err**2, int(under))
+    sq_norm, sq_err, under = torch.stack([sq_norm, sq_err, under.double()]).tolist()
+    return out, (sq_norm, sq_err, int(under))
 
 
 def unpack(payload: torch.Tensor, chunks: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,17 +289,16 @@ class TopKAverager:
     def average_(self, flat: torch.Tensor, sizes: list[int], key: int = 0) -> torch.Tensor:
         """flat (FP32 [n]) <- the mean over all members of what each sends for it (module docstring)."""
         n = flat.numel()
-        y = self.carry(key, n, flat.device)
-        if self.decay != 1:
-            y.mul_(self.decay)  # SparseLoCo: the decayed carry stands in for the outer momentum
-        y[:n].add_(flat)  # carry + pseudo_grad; the encoding leaves what it did not send in it
-        payload, (sq_norm, sq_err, under) = encode_(y.view(-1, self.chunk), self.k, n)
+        y = self.carry(key, n, flat.device).view(-1, self.chunk)
+        # carry * decay + pseudo_grad (SparseLoCo: the decayed carry stands in for the outer momentum);
+        # the encoding leaves what it did not send in the carry
+        payload, (sq_norm, sq_err, under) = encode_(y, self.k, n, add=flat, decay=self.decay)
         c = self.cast
         c.sq_norm, c.sq_error, c.underflow = c.sq_norm + sq_norm, c.sq_error + sq_err, c.underflow + under
         c.numel += n
         gathered = self.coll.all_gather(payload, tag=f"pseudo_grad_{self.dtype}")  # [W, payload_bytes]
         weights = self.weights(gathered, n) if self.normalize == "median" else [None] * len(gathered)
-        total = torch.zeros_like(y)
+        total = torch.zeros(y.numel(), device=flat.device)
         for row, weight in zip(gathered, weights):  # rank order: every member adds the same in the same order
             decode_add_(row, self.chunk, self.k, total, weight)
         return flat.copy_(total[:n]).div_(self.coll.size)

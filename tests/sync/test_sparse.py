@@ -1,9 +1,12 @@
 """Top-k 2-bit pseudo-gradients (diloco.sparse, `pseudo_grad_dtype: topk2`): a payload worked out by hand,
-the kept set and levels against a by-hand selection, the bytes on the wire, every worker getting the same
+the kept set and levels against a by-hand selection, the C kernel against the torch ops bit for bit (on
+each instruction-set path the compiler can build here), the bytes on the wire, every worker getting the same
 mean bit for bit, error feedback losing nothing, exact resume, and bad settings as one line. (The carry's
 round trip through DiLoCo's state dict is test_quant's, parametrized over int4 and topk2.)"""
 
 from __future__ import annotations
+
+import subprocess
 
 import pytest
 import torch
@@ -11,19 +14,20 @@ from test_comm import run_threads
 from test_diloco import TinyModel, diloco_for
 from trainer_utils import compose_cfg, read_metrics, resumed_equals_uninterrupted
 
+from diloco import quant_kernel
 from diloco.comm import SoloCollective
 from diloco.config import ConfigError, validate
-from diloco.sparse import TopKAverager, decode, encode, num_chunks, payload_bytes, topk_count
+from diloco.sparse import TopKAverager, decode, encode, encode_, num_chunks, payload_bytes, topk_count
 
 
 def test_a_tiny_vector_encodes_to_the_bytes_worked_out_by_hand():
     """Chunks of 4, k = 2. Chunk 0 [0.5, -3, 0.1, 2] keeps -3 (hi: 3) and 2 (lo: 2); chunk 1
     [-0.2, 1, 0, -0.05] keeps 1 (hi: 1) and -0.2 (lo: bfloat16(0.2) = 0.2002). Codes (bit 0 sign,
-    bit 1 hi) in order of magnitude: 3, 0 and 2, 1; indices (1, 3) and (1, 0) in 12 bits each."""
+    bit 1 hi) in the order of the indices: 3, 0 and 1, 2; indices (1, 3) and (0, 1) in 12 bits each."""
     x = torch.tensor([0.5, -3.0, 0.1, 2.0, -0.2, 1.0, 0.0, -0.05])
     payload = encode(x, chunk=4, k=2)
-    codes = [3 | 0 << 2, 2 | 1 << 2]
-    indices = [1, 0 | 3 << 4, 0, 1, 0, 0]
+    codes = [3 | 0 << 2, 1 | 2 << 2]
+    indices = [1, 0 | 3 << 4, 0, 0, 0 | 1 << 4, 0]
     scales = [0x00, 0x40, 0x40, 0x40, 0x4D, 0x3E, 0x80, 0x3F]  # bf16 2.0, 3.0, 0.2002, 1.0 (little end)
     assert payload.tolist() == codes + indices + scales
     assert payload.numel() == payload_bytes(8, 4, 2) == 2 * (1 + 3 + 4)
@@ -56,6 +60,82 @@ def test_decoding_gives_the_top_k_of_every_chunk_at_its_two_levels(n, chunk, k):
     payload = encode(x, chunk, k)
     assert payload.dtype == torch.uint8 and payload.numel() == payload_bytes(n, chunk, k)
     assert torch.equal(decode(payload, n, chunk, k), _by_hand(x, chunk, k))
+
+
+ISAS = {"native": None, "avx2": ["-mavx2", "-mno-avx512f"], "portable": []}  # quant_kernel.build's isa
+
+
+def _kernel_for(isa: str, monkeypatch) -> None:
+    """Make diloco.sparse use the C kernel built for `isa` (skip where this compiler or CPU cannot)."""
+    if quant_kernel.kernel() is None:
+        pytest.skip("no C compiler here: only the torch path exists")
+    if isa == "avx2" and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("no AVX2 on this CPU")
+    try:
+        monkeypatch.setattr(quant_kernel, "_lib", quant_kernel.build(ISAS[isa]))
+    except subprocess.CalledProcessError:
+        pytest.skip(f"the compiler cannot build the {isa} path here")
+
+
+def _encode_both(monkeypatch, isa, y0, x, k, decay):
+    """encode_ of a copy of y0 (FP32 [chunks, C]) with x added, through the C kernel for `isa` and then
+    through the torch ops: [(payload, carry left, stats)] for each."""
+    _kernel_for(isa, monkeypatch)
+    n, out = x.numel(), []
+    for path in ("c", "torch"):
+        monkeypatch.setenv("DILOCO_QUANT_KERNEL", path)
+        assert quant_kernel.usable(y0) == (path == "c")
+        y = y0.clone()
+        payload, stats = encode_(y, k, n, add=x, decay=decay)
+        out.append((payload, y, stats))
+    return out
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize(
+    "n,chunk,k,decay",
+    [(70_001, 4096, 64, 1.0), (9000, 4096, 64, 0.95), (50, 16, 5, 1.0), (7, 4096, 64, 1.0),
+     (3000, 1000, 250, 0.9), (500, 100, 100, 1.0), (5000, 4096, 1, 1.0), (10_000, 520, 33, 1.0)],
+)  # fmt: skip
+def test_the_cpu_kernel_encodes_the_same_bits_as_the_torch_ops(monkeypatch, isa, n, chunk, k, decay):
+    """Payload and carry bit for bit, the float64 statistics to round-off. Covers ties (zeros, a repeated
+    value: the lower index wins on both paths), all-zero chunks, a tail chunk, a bucket smaller than k,
+    k = 1, k = C, an odd k, a chunk not a multiple of 8 or 16, and the SparseLoCo decay."""
+    gen = torch.Generator().manual_seed(n + k)
+    y0 = torch.zeros(num_chunks(n, chunk) * chunk)
+    y0[:n] = torch.randn(n, generator=gen) * 1e-3
+    x = torch.randn(n, generator=gen)
+    x[::7], y0[:n:7] = 0.0, 0.0
+    x[1::13], y0[1:n:13] = 0.5, 0.0
+    x[: min(n, 2 * chunk)] = 0.0  # an all-zero first chunk where the carry is zero
+    y0[: min(n, chunk)] = 0.0
+    (p_c, y_c, s_c), (p_t, y_t, s_t) = _encode_both(monkeypatch, isa, y0.view(-1, chunk), x, k, decay)
+    assert torch.equal(p_c, p_t)
+    assert torch.equal(y_c, y_t)
+    assert s_c[2] == s_t[2]
+    assert s_c[:2] == pytest.approx(s_t[:2], rel=1e-5)
+
+
+def test_averaging_with_the_cpu_kernel_equals_the_torch_ops_over_rounds(monkeypatch):
+    """Three workers, error feedback with SparseLoCo's decay and median normalisation, four rounds: the
+    same means and carries bit for bit on both paths."""
+    _kernel_for("native", monkeypatch)
+
+    def run():
+        def worker(r, coll):
+            avg = TopKAverager(coll, density=1 / 16, chunk=256, normalize="median", decay=0.95)
+            gen = torch.Generator().manual_seed(40 + r)
+            outs = [avg.average_(torch.randn(3000, generator=gen) * 1e-2, [3000]) for _ in range(4)]
+            return outs + [avg.residuals[0]]
+
+        return run_threads(3, worker)
+
+    fast = run()
+    monkeypatch.setenv("DILOCO_QUANT_KERNEL", "torch")
+    ref = run()
+    for worker_fast, worker_ref in zip(fast, ref):
+        for a, b in zip(worker_fast, worker_ref):
+            assert torch.equal(a, b)
 
 
 def test_bits_per_parameter_follow_the_formula_and_stay_under_half_a_bit():
