@@ -51,7 +51,7 @@ def extended(rows: list[dict]) -> list[tuple[float, float]]:
     lr, m = (float(part[1:]) for part in best.split("-"))
     lrs = [o for o, mo in OUTER if mo == m]
     extra = lr / 2 if lr == min(lrs) else lr * 2 if lr == max(lrs) and len(lrs) > 1 else None
-    return list(OUTER) + ([(extra, m)] if extra is not None and extra <= 1.5 else [])
+    return list(OUTER) + ([(extra, m)] if extra is not None and extra <= 2 else [])
 
 
 def grid(outers: list[tuple[float, float]]) -> dict:
