@@ -71,6 +71,13 @@ FAMILIES["tiny-law-frontier"] = {
     name.replace("tiny-", "tiny-law-", 1): (what.replace("Nesterov 0.9", "lr 0.5 / Nesterov 0.8"), *bars)
     for name, (what, *bars) in FAMILIES["tiny-frontier"].items()
 }
+# eager updates at the outer optimizer tuned for them (results/tiny-law-eager-tuning, the tuning half)
+FAMILIES["tiny-law-frontier"]["tiny-law-diloco-stream-p4-eager-o1-m0"] = (
+    "Streaming, P=4, eager updates, outer lr 1 / no momentum (tuned for eager), FP32",
+    0.01,
+    None,
+    4.0,
+)
 BARS = FAMILIES["tiny-compress"]
 # DumbDiLoCo: the FP32 run, its compressed variant, and how many times fewer bytes a delta file must be
 DUMB_FAMILIES = {
