@@ -16,7 +16,7 @@ FORCE ?= 0
 NODES_FILE ?= configs/local/nodes.txt
 export NODES_FILE
 
-.PHONY: help setup lock check-lock demo test test-gpu lint clean tune-law ladder-law replicate-tiny replicate-tiny-law replicate-tiny-hetero replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
+.PHONY: help setup lock check-lock demo test test-gpu lint clean tune-law tune-eager ladder-law replicate-tiny replicate-tiny-law replicate-tiny-hetero replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
 
 help:  ## list what can be run
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-18s %s\n", $$1, $$2}'
@@ -104,6 +104,9 @@ ladder: setup  ## model-size ladder: 4x DDP vs DiLoCo at 0.7M, 2.2M, 3.7M params
 
 tune-law: setup  ## issue 33: each method's inner lr, then DiLoCo's outer optimizer, in the scaling-law regime (262k params, 52 rounds at H=30, ~12 tokens/param), 2 seeds on the tune half (~80 min on 2 idle cores) -> results/tiny-law-tuning
 	$(PY) scripts/tune_law.py --runs $(RUNS)/tune-law
+
+tune-eager: setup  ## issue 32: eager updates' own outer lr and momentum in that regime (P=4, tau = H), 2 seeds on the tune half, non-overlapped P=4 beside them (~20 min on 2 idle cores) -> results/tiny-law-eager-tuning
+	$(PY) scripts/tune_eager.py --runs $(RUNS)/tune-eager
 
 ladder-law: setup  ## issue 33: 4x DDP vs DiLoCo at 133k, 262k, 689k params in that regime, lr swept per size and method, 2 seeds, beside the scaling law (~2 h on 2 idle cores; the largest rung at 5.8 tokens per parameter; reuses tune-law's and replicate-tiny-law's runs at 262k) -> results/ladder-law
 	$(PY) scripts/ladder_law.py --runs $(RUNS)/tune-law --family-runs $(RUNS)/tiny-law

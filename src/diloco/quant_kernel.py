@@ -176,6 +176,16 @@ static inline uint32_t key_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u
 #include <immintrin.h>
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+static int32_t lut[256][8]; /* lut[mask]: the lanes set in mask, in order */
+
+__attribute__((constructor)) static void fill_lut(void) { /* at load time, before any thread runs */
+    for (int mask = 0; mask < 256; mask++)
+        for (int l = 0, o = 0; l < 8; l++)
+            if (mask >> l & 1) lut[mask][o++] = l;
+}
+#endif
+
 /* Every i < chunk whose key is >= t, in order: its key into key[], i into at[] (room for chunk + 16
    each); returns how many. Packed 16 (AVX-512) or 8 (AVX2) at a time where the CPU can. */
 static int64_t candidates(const float *v, int64_t chunk, uint32_t t, uint32_t *key, uint32_t *at) {
@@ -192,14 +202,6 @@ static int64_t candidates(const float *v, int64_t chunk, uint32_t t, uint32_t *k
         m += __builtin_popcount(keep);
     }
 #elif defined(__AVX2__)
-    static int32_t lut[256][8];
-    static int lut_ready = 0;
-    if (!lut_ready) { /* lut[mask]: the lanes set in mask, in order (benign race: every thread writes the same) */
-        for (int mask = 0; mask < 256; mask++)
-            for (int l = 0, o = 0; l < 8; l++)
-                if (mask >> l & 1) lut[mask][o++] = l;
-        lut_ready = 1;
-    }
     const __m256i tv = _mm256_set1_epi32((int)t), absmask = _mm256_set1_epi32(0x7fffffff);
     for (; i + 8 <= chunk; i += 8) {
         const __m256i kv = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(v + i)), absmask);
