@@ -125,6 +125,7 @@ FAMILIES = {  # the order runs are started in
         "tiny_law/diloco_stream_p4_eager",
         "tiny_law/dumb_diloco",
         "tiny_law/dumb_diloco_topk2",
+        "tiny_law/dumb_diloco_sparseloco",
     ],
 }
 

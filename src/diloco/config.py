@@ -327,9 +327,6 @@ def check_distributed(block: Any) -> Any:
         _check_quantization(d, WIRE_DTYPES)
         _check_topk(d)
         _one_of("distributed.topk_normalize", d.topk_normalize, ("none", "median"))
-        _number("distributed.topk_ef_decay", d.topk_ef_decay, 0)
-        if d.topk_ef_decay > 1:
-            raise ConfigError(f"distributed.topk_ef_decay must be in (0, 1], got {d.topk_ef_decay!r}")
         _number("distributed.fragments", d.fragments, 1, strict=False, integer=True, hi=d.inner_steps + 1)
         tau_max = d.inner_steps + 1 if d.eager_updates else d.inner_steps  # eager updates: tau = H
         _number("distributed.overlap_steps", d.overlap_steps, 0, strict=False, integer=True, hi=tau_max)
@@ -369,6 +366,9 @@ def _check_topk(d: Any) -> None:
     if d.topk_density > 1:
         raise ConfigError(f"distributed.topk_density must be in (0, 1], got {d.topk_density!r}")
     _number("distributed.topk_chunk", d.topk_chunk, 1, strict=False, integer=True, hi=4097)
+    _number("distributed.topk_ef_decay", d.topk_ef_decay, 0)
+    if d.topk_ef_decay > 1:
+        raise ConfigError(f"distributed.topk_ef_decay must be in (0, 1], got {d.topk_ef_decay!r}")
     if d.pseudo_grad_dtype == "topk2" and d.error_feedback is False:
         raise ConfigError(
             "distributed.error_feedback=false cannot go with pseudo_grad_dtype topk2 "

@@ -265,6 +265,9 @@ class DumbDiLoCoConfig:
     quant_block_size: int = 256  # int8/int4: elements per bfloat16 scale (even, >= 2)
     topk_density: float = 0.015625  # topk2: the fraction of each chunk sent (SparseLoCo's 64 of 4,096)
     topk_chunk: int = 4096  # topk2: values per chunk of each tensor (at most 4,096: 12-bit in-chunk indices)
+    # topk2: each node's carry is decayed by this before its next delta joins it (SparseLoCo: 0.95, with
+    # the master's outer_momentum 0), as distributed.topk_ef_decay of synchronous DiLoCo
+    topk_ef_decay: float = 1.0
     # a node of G ranks (torchrun --nproc_per_node G): a collective inside the node that waits longer fails
     # it; at least drain_timeout + shutdown_timeout, which the node's other ranks may wait for its rank 0
     timeout_seconds: float = 2400

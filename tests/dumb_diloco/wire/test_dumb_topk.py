@@ -29,6 +29,7 @@ from test_dumb_quant import (
 )
 
 from diloco import sparse
+from diloco.comm import SoloCollective
 from diloco.dumb_diloco.master.recovery import delta_layout
 from diloco.dumb_diloco.store.transport import DirectoryTransport
 from diloco.dumb_diloco.wire.delta_codec import DeltaCodec, wire_layout
@@ -87,6 +88,26 @@ def test_topk2_error_feedback_loses_nothing_over_boundaries(tmp_path):
     assert sorted(decoded) == [3, 6, 9, 12, 15] and coord.uploads == 5
     assert_nothing_lost(raw, decoded.values(), coord.codec.residual)
     assert coord.metrics()["comm/cast_rel_error"] == coord.codec.rel_error > 0
+
+
+def test_a_decayed_carry_on_a_node_keeps_what_synchronous_sparseloco_keeps(tmp_path):
+    """topk_ef_decay 0.95 on a node: over four deltas of one tensor, each file decodes on the master to what
+    sparse.TopKAverager (one worker, the same decay: synchronous SparseLoCo) sends for the same values, and
+    the node's residual is that averager's carry, bit for bit (from the second delta on, the decay
+    matters: the carry is never zero)."""
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(3, 100))  # the layout the master checks a file against
+    codec = DeltaCodec("topk2", topk_density=1 / 16, topk_chunk=64, topk_ef_decay=0.95)
+    avg = sparse.TopKAverager(SoloCollective(), density=1 / 16, chunk=64, decay=0.95)
+    repo, gen = DirectoryTransport(tmp_path / "repo"), torch.Generator().manual_seed(3)
+    for step in range(1, 5):
+        d = torch.randn(3, 100, generator=gen) * 1e-2
+        blob, residual = codec.encode({"w": d}, DeltaMeta("w1", step, 0))
+        codec.commit(residual)
+        repo.write({delta_path("w1", step): blob})
+        want = avg.average_(d.reshape(-1).clone(), [d.numel()])
+        assert torch.equal(decoded_by_master(repo, model)[step]["w"].reshape(-1), want), step
+        assert torch.equal(codec.residual["w"].reshape(-1), avg.residuals[0][: d.numel()]), step
 
 
 def test_topk2_without_error_feedback_is_refused():

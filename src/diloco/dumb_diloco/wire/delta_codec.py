@@ -96,6 +96,7 @@ class DeltaCodec:
         error_feedback: bool | None = None,
         topk_density: float = 1 / 64,
         topk_chunk: int = sparse.MAX_CHUNK,
+        topk_ef_decay: float = 1.0,
     ):
         if dtype not in WIRE_DTYPES:
             raise ValueError(f"pseudo_grad_dtype must be one of {WIRE_DTYPES}, got {dtype!r}")
@@ -104,6 +105,7 @@ class DeltaCodec:
         if self.topk and error_feedback is False:
             raise ValueError("pseudo_grad_dtype topk2 needs error_feedback (it drops most of every delta)")
         self.chunk, self.k = topk_chunk, sparse.topk_count(topk_density, topk_chunk)
+        self.decay = topk_ef_decay  # topk2: the carry is decayed by this before the next delta joins it
         self.error_feedback = self.lossy and error_feedback is not False
         self.residual: dict[str, torch.Tensor] = {}  # float32, the deltas' shapes; what no upload carried yet
         self.rel_error = 0.0  # ||Q(v) - v|| / ||v|| of the last delta encoded
@@ -115,7 +117,14 @@ class DeltaCodec:
 
     @classmethod
     def from_settings(cls, s) -> DeltaCodec:
-        return cls(s.pseudo_grad_dtype, s.quant_block_size, s.error_feedback, s.topk_density, s.topk_chunk)
+        return cls(
+            s.pseudo_grad_dtype,
+            s.quant_block_size,
+            s.error_feedback,
+            s.topk_density,
+            s.topk_chunk,
+            s.topk_ef_decay,
+        )
 
     def encode(self, delta: dict[str, torch.Tensor], meta: DeltaMeta) -> tuple[bytes, dict | None]:
         """The file of `delta` (not modified) in this format, and the residual to `commit` once it is
@@ -137,17 +146,20 @@ class DeltaCodec:
         return encode(payloads, meta.to_header()), residual if self.error_feedback else None
 
     def _encode_topk(self, delta: dict[str, torch.Tensor], meta: DeltaMeta) -> tuple[bytes, dict]:
-        """topk2: v = delta + residual per tensor, zero-padded to whole chunks; sparse.encode_ leaves
-        v - decoded(payload) in the padded buffer, whose first numel values are the new residual."""
+        """topk2: v = residual * decay + delta per tensor, zero-padded to whole chunks (as
+        sparse.TopKAverager does for a bucket); sparse.encode_ leaves v - decoded(payload) in the padded
+        buffer, whose first numel values are the new residual."""
         meta = dataclasses.replace(meta, dtype=self.dtype, topk_chunk=self.chunk, topk_k=self.k)
         payloads, residual, sq_norm, sq_err = {}, {}, 0.0, 0.0
         for name, d in delta.items():
             n = d.numel()
             y = torch.zeros(sparse.num_chunks(n, self.chunk) * self.chunk)
-            y[:n].copy_(d.reshape(-1))
             if name in self.residual:
-                y[:n].add_(self.residual[name].reshape(-1))
-            payloads[name], (sq, se, _) = sparse.encode_(y.view(-1, self.chunk), self.k, n)
+                y[:n].copy_(self.residual[name].reshape(-1))
+            add = d.reshape(-1).float().contiguous()
+            payloads[name], (sq, se, _) = sparse.encode_(
+                y.view(-1, self.chunk), self.k, n, add=add, decay=self.decay
+            )
             residual[name] = y[:n].view(d.shape)
             sq_norm, sq_err = sq_norm + sq, sq_err + se
         self.rel_error = math.sqrt(sq_err / sq_norm) if sq_norm > 0 else 0.0
