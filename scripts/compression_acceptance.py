@@ -71,12 +71,29 @@ FAMILIES["tiny-law-frontier"] = {
     name.replace("tiny-", "tiny-law-", 1): (what.replace("Nesterov 0.9", "lr 0.5 / Nesterov 0.8"), *bars)
     for name, (what, *bars) in FAMILIES["tiny-frontier"].items()
 }
-# eager updates at the outer optimizer tuned for them (results/tiny-law-eager-tuning, the tuning half)
-FAMILIES["tiny-law-frontier"]["tiny-law-diloco-stream-p4-eager-o1-m0"] = (
-    "Streaming, P=4, eager updates, outer lr 1 / no momentum (tuned for eager), FP32",
-    0.01,
-    None,
-    4.0,
+# eager updates at the outer optimizer tuned for them (results/tiny-law-eager-tuning, the tuning half), in
+# FP32 and with 4-bit codes against non-overlapped P=4 with the same codes
+FAMILIES["tiny-law-frontier"].update(
+    {
+        "tiny-law-diloco-stream-p4-eager-o1-m0": (
+            "Streaming, P=4, eager updates, outer lr 1 / no momentum (tuned for eager), FP32",
+            0.01,
+            None,
+            4.0,
+        ),
+        "tiny-law-diloco-stream-p4-int4": (
+            "Streaming, P=4, not overlapped, 4-bit + error feedback",
+            0.01,
+            None,
+            None,
+        ),
+        "tiny-law-diloco-stream-p4-eager-o1-m0-int4": (
+            "Streaming, P=4, eager updates (lr 1, no momentum), 4-bit + error feedback",
+            0.01,
+            None,
+            None,
+        ),
+    }
 )
 BARS = FAMILIES["tiny-compress"]
 # DumbDiLoCo: the FP32 run, its compressed variant, and how many times fewer bytes a delta file must be
