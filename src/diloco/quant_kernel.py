@@ -223,12 +223,13 @@ static int64_t candidates(const float *v, int64_t chunk, uint32_t t, uint32_t *k
 
 /* The k largest of v[0, chunk) by magnitude (key = |v| as bits, ties to the lower index), in the order of
    their indices: idx[0, k), their magnitudes and hi[j] = 1 for the ceil(k/2) largest. A threshold, the
-   r-th largest of a strided sample of 256, keeps about 2k candidates (fewer than k, and r doubles; past
-   the sample, every value); nth_key finds the k-th and the ceil(k/2)-th largest key among them, and of
-   the keys equal to one, the lower indices come first. key: scratch for chunk + 16 values, at: for 256 + chunk + 16. */
+   r-th largest of a strided sample of at most 256, keeps about 2k candidates (fewer than k, and r
+   doubles; past the sample, every value); nth_key finds the k-th and the ceil(k/2)-th largest key among
+   them, and of the keys equal to one, the lower indices come first. key: scratch for chunk + 16 values,
+   at: for 256 + chunk + 16 (the sample's keys, then the candidates' indices). */
 static void select_top(const float *v, int64_t chunk, int64_t k, uint32_t *key, uint32_t *at, int64_t *idx,
                        float *mag, uint8_t *hi) {
-    const int64_t stride = chunk >= 512 ? chunk / 256 : 1, s = chunk / stride, h = (k + 1) / 2;
+    const int64_t stride = (chunk + 255) / 256, s = chunk / stride, h = (k + 1) / 2; /* s <= 256 */
     for (int64_t j = 0; j < s; j++) at[j] = key_of(v[j * stride]);
     int64_t m = 0;
     for (int64_t r = 2 * k * s / chunk + 3; m < k; r *= 2)
