@@ -243,14 +243,15 @@ def main() -> None:
     lines = table(rows, BASES[args.family])
     if args.dumb:
         d = record["dumb"] = dumb(args.runs, args.seeds, names, fewer_bar)
-        per = {k: ", ".join(f"{p:.2f}" for p in d[k]["ppl"]["per_seed"]) for k in names if k in d}
+        present = [k for k in names if k in d]  # a compressed run without its runs is left out
+        per = {k: ", ".join(f"{p:.2f}" for p in d[k]["ppl"]["per_seed"]) for k in present}
         lines += [
             "",
             "| DumbDiLoCo (the master's final global) | perplexity per seed | mean ± spread | gap of means "
             "| bytes per delta file | x fewer | verdict |",
             "|---|---|---|---|---|---|---|",
         ]
-        for k in [k for k in names if k in d]:
+        for k in present:
             p, j = d[k]["ppl"], d["judged"].get(k)
             last = [f"{j['gap_of_means']:+.1%}", f"{d['delta_bytes'][k]:,} B", f"{j['delta_fewer']:.2f}x",
                     j["verdict"]] if j else ["-", f"{d['delta_bytes'][k]:,} B", "-", "-"]  # fmt: skip

@@ -429,17 +429,23 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _with_stats(fn, blocks: int) -> tuple[float, float, int]:
+    """fn(b0, b1, stats) over `blocks` split across threads, each adding (sum y^2, sum of squared errors,
+    #underflows) into its own stats; their totals."""
+    ranges = _ranges(blocks)
+    stats = [(ctypes.c_double * 3)() for _ in ranges]
+    _run([lambda r=r, s=s: fn(*r, s) for r, s in zip(ranges, stats)])
+    return sum(s[0] for s in stats), sum(s[1] for s in stats), int(sum(s[2] for s in stats))
+
+
 def encode(x, carry, residual, bits: int, block: int, codes, scales) -> tuple[float, float, int]:
     """codes/scales of y = x + carry; residual <- y - decoded (module docstring). Returns (sum y^2,
     sum of squared errors, #underflows)."""
     lib, n = kernel(), x.numel()
-    ranges = _ranges(-(-n // block))
-    stats = [(ctypes.c_double * 3)() for _ in ranges]
     args = (_ptr(x), _ptr(carry), _ptr(residual), n, bits, block)
-    _run(
-        [lambda r=r, s=s: lib.encode(*args, *r, _ptr(codes), _ptr(scales), s) for r, s in zip(ranges, stats)]
+    return _with_stats(
+        lambda b0, b1, s: lib.encode(*args, b0, b1, _ptr(codes), _ptr(scales), s), -(-n // block)
     )
-    return sum(s[0] for s in stats), sum(s[1] for s in stats), int(sum(s[2] for s in stats))
 
 
 def decode(codes, scales, out, bits: int, block: int, accumulate: bool) -> None:
@@ -455,9 +461,6 @@ def topk_encode(y, x, decay: float, n: int, k: int, codes, indices, scales) -> t
     payload's codes, indices and scales, y <- what the payload lost. Returns (sum y^2, sum of squared
     errors, #underflows) over the n real values."""
     lib, (chunks, chunk) = kernel(), y.shape
-    ranges = _ranges(chunks)
-    stats = [(ctypes.c_double * 3)() for _ in ranges]
     args = (_ptr(y), _ptr(x), decay, n, chunk, k)
     outs = (_ptr(codes), _ptr(indices), _ptr(scales))
-    _run([lambda r=r, s=s: lib.topk_encode(*args, *r, *outs, s) for r, s in zip(ranges, stats)])
-    return sum(s[0] for s in stats), sum(s[1] for s in stats), int(sum(s[2] for s in stats))
+    return _with_stats(lambda b0, b1, s: lib.topk_encode(*args, b0, b1, *outs, s), chunks)
