@@ -62,17 +62,14 @@ def test_decoding_gives_the_top_k_of_every_chunk_at_its_two_levels(n, chunk, k):
     assert torch.equal(decode(payload, n, chunk, k), _by_hand(x, chunk, k))
 
 
-ISAS = {"native": None, "avx2": ["-mavx2", "-mno-avx512f"], "portable": []}  # quant_kernel.build's isa
-
-
 def _kernel_for(isa: str, monkeypatch) -> None:
     """Make diloco.sparse use the C kernel built for `isa` (skip where this compiler or CPU cannot)."""
     if quant_kernel.kernel() is None:
         pytest.skip("no C compiler here: only the torch path exists")
-    if isa == "avx2" and "avx2" not in open("/proc/cpuinfo").read():
+    if not quant_kernel.cpu_runs(isa):
         pytest.skip("no AVX2 on this CPU")
     try:
-        monkeypatch.setattr(quant_kernel, "_lib", quant_kernel.build(ISAS[isa]))
+        monkeypatch.setattr(quant_kernel, "_lib", quant_kernel.build(quant_kernel.ISAS[isa]))
     except subprocess.CalledProcessError:
         pytest.skip(f"the compiler cannot build the {isa} path here")
 
@@ -91,7 +88,7 @@ def _encode_both(monkeypatch, isa, y0, x, k, decay):
     return out
 
 
-@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("isa", list(quant_kernel.ISAS))
 @pytest.mark.parametrize(
     "n,chunk,k,decay",
     [(70_001, 4096, 64, 1.0), (9000, 4096, 64, 0.95), (50, 16, 5, 1.0), (7, 4096, 64, 1.0),
