@@ -16,7 +16,7 @@ FORCE ?= 0
 NODES_FILE ?= configs/local/nodes.txt
 export NODES_FILE
 
-.PHONY: help setup lock check-lock demo test test-gpu lint clean tune-law tune-eager ladder-law replicate-tiny replicate-tiny-law replicate-tiny-hetero replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
+.PHONY: help setup lock check-lock demo test soak-resume test-gpu lint clean tune-law tune-eager ladder-law replicate-tiny replicate-tiny-law replicate-tiny-hetero replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
 
 help:  ## list what can be run
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-18s %s\n", $$1, $$2}'
@@ -68,6 +68,9 @@ lint: setup  ## ruff
 
 test: setup lint  ## lint + the whole test suite (about 15 minutes on 2 idle cores with set-up; GPU tests skip without CUDA)
 	$(PY) -m pytest -q
+
+soak-resume: setup  ## the kill-at-many-points resume test 20 times in a row (N=20; ~2 min each on 2 idle cores) -> results/soak/kill-resume.txt
+	scripts/soak_resume.sh $(or $(N),20)
 
 test-gpu: setup  ## the CUDA tests: bf16 eager and compiled steps, resume, DumbDiLoCo on the GPU
 	$(PY) -m pytest -q -m gpu

@@ -337,21 +337,23 @@ class SequenceStream:
         self.epoch = 0
         self._buffer: list[int] = []  # packing leftovers
         self._docs: Iterator | None = None
-        self._ds_state = self.ds.state_dict()
-        self._init_state = copy.deepcopy(self._ds_state)
-        self._doc_state = self._ds_state  # the position after the last document read (reopens start there)
+        self._init_state = self.ds.state_dict()
+        # The position after the last document read: what a checkpoint stores and a reopen starts from.
+        # Only a document read moves it. `datasets` reports a loaded position only once it has read from
+        # it (until then its state_dict() is where the dataset was built), so a resumed packing stream
+        # serving its leftovers must not ask it.
+        self._doc_state = self._init_state
         self.cut_chars = 0 if self.packing else prefix_cut_chars(tokenizer, self.seq_len)
 
     # -- position ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "dataset": copy.deepcopy(self._ds_state), "buffer": list(self._buffer)}
+        return {"epoch": self.epoch, "dataset": copy.deepcopy(self._doc_state), "buffer": list(self._buffer)}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])
         self._buffer = list(state["buffer"])
-        self._ds_state = copy.deepcopy(state["dataset"])
-        self.ds.load_state_dict(self._ds_state)
-        self._doc_state = self._ds_state
+        self._doc_state = copy.deepcopy(state["dataset"])
+        self.ds.load_state_dict(copy.deepcopy(self._doc_state))
         self._docs = None
 
     # -- documents --------------------------------------------------------------------------------
@@ -407,7 +409,6 @@ class SequenceStream:
                 return None
             ids = self._padded(texts)
             labels = ids.masked_fill(ids == self.tok.pad_token_id, IGNORE_INDEX)
-        self._ds_state = self.ds.state_dict()
         return Batch(ids.long(), labels.long())
 
     def _encode(self, texts: list[str]) -> dict:

@@ -181,6 +181,35 @@ def test_stream_resumes_at_the_exact_next_batch(data_cfg, tok, packing):
         assert (got.input_ids == want.input_ids).all() and (got.labels == want.labels).all()
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_resumed_stream_checkpoints_where_it_is_before_reading_a_document(data_cfg, tok, packing):
+    """Resume, one batch, checkpoint, resume again: the second checkpoint is the uninterrupted stream's
+    position. With packing and short sequences the batch after a resume comes from the leftovers alone,
+    and `datasets` reports where it was built (not the loaded position) until it reads a document: the
+    checkpoint once stored the start of the shard, and the run resumed from it read the shard again."""
+    cfg = data_cfg.copy()
+    cfg.packing, cfg.seq_len = packing, 16
+    whole = SequenceStream(cfg, tok, "train", 0, 2)
+    want = [whole.next_batch(1).input_ids for _ in range(8)]
+    stream = SequenceStream(cfg, tok, "train", 0, 2)
+    got = [stream.next_batch(1).input_ids for _ in range(3)]
+    for _ in range(2):  # two resumes, each after one batch
+        state = json.loads(json.dumps(stream.state_dict()))
+        stream = SequenceStream(cfg, tok, "train", 0, 2)
+        stream.load_state_dict(state)
+        got.append(stream.next_batch(1).input_ids)
+    assert json.loads(json.dumps(stream.state_dict())) == json.loads(json.dumps(_after(cfg, tok, 5)))
+    got += [stream.next_batch(1).input_ids for _ in range(3)]
+    assert all((g == w).all() for g, w in zip(got, want, strict=True))
+
+
+def _after(cfg, tok, batches: int) -> dict:
+    stream = SequenceStream(cfg, tok, "train", 0, 2)
+    for _ in range(batches):
+        stream.next_batch(1)
+    return stream.state_dict()
+
+
 def test_stream_repeats_the_shard_in_epochs(tmp_path, data_cfg, tok):
     path = tmp_path / "c4-train.00000-of-00001.json.gz"
     with gzip.open(path, "wt") as fh:
