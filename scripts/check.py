@@ -8,12 +8,13 @@
 A committed record is judged with the reference.yaml kept beside its runs (the yardstick it was made
 with), so judging it again gives the verdicts its report.md shows; runs/ folders with today's.
 
-Prints run / expected / measured / delta / verdict and exits 1 when a finished run or claim is outside
-its tolerance (runs still missing or unfinished are PENDING and do not fail the check), and when there
-is nothing to judge (no run, or every verdict PENDING): a CI job never passes on an empty folder.
+Prints run / expected / measured / delta / verdict and exits 1 when a claim the repository makes is
+contradicted: FAIL (every seed is outside its bar) or UNCERTAIN (the seeds fall on both sides, so a
+seed contradicts it). Runs still missing or unfinished are PENDING, figures printed without a verdict
+REPORTED, claims a family cannot test NOT TESTED: none of these fails the check. It also exits 1 when
+there is nothing to judge (no run, or every verdict PENDING): a CI job never passes on an empty folder.
 With several seeds (a --runs per seed), each check is measured per seed and its delta is the mean and
-spread (max - min) over seeds: PASS when every seed passes, FAIL when none does, UNCERTAIN (which fails
-the check too: the claim is not established) when the seeds fall on both sides of the bar.
+sample standard deviation (sd) over seeds.
 """
 
 from __future__ import annotations
@@ -23,6 +24,16 @@ import sys
 from pathlib import Path
 
 from diloco.replication import check, markdown_table, reference_for
+
+# how the tally names each verdict; the first three are printed even when none
+VERDICTS = {
+    "PASS": "passed",
+    "FAIL": "failed",
+    "PENDING": "pending",
+    "UNCERTAIN": "uncertain (seeds on both sides)",
+    "REPORTED": "reported",
+    "NOT TESTED": "not tested",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,14 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(markdown_table(verdicts))
     print(f"\njudged against {reference}")
-    failed = [v.id for v in verdicts if v.verdict == "FAIL"]
-    pending = [v.id for v in verdicts if v.verdict == "PENDING"]
-    uncertain = [v.id for v in verdicts if v.verdict == "UNCERTAIN"]
-    passed = len(verdicts) - len(failed) - len(pending) - len(uncertain)
-    print(
-        f"\n{passed} passed, {len(failed)} failed, {len(pending)} pending"
-        + (f", {len(uncertain)} uncertain (seeds on both sides)" if uncertain else "")
-    )
+    tally = {kind: [v.id for v in verdicts if v.verdict == kind] for kind in VERDICTS}
+    shown = [f"{len(ids)} {VERDICTS[k]}" for i, (k, ids) in enumerate(tally.items()) if ids or i < 3]
+    print("\n" + ", ".join(shown))
+    failed, uncertain, pending = tally["FAIL"], tally["UNCERTAIN"], tally["PENDING"]
     if len(pending) == len(verdicts):
         print(
             f"error: nothing to judge: every check under {', '.join(map(str, roots))} is pending",

@@ -85,18 +85,50 @@ def fake_run(root: Path, name: str, reference: str, ppl: float, workers: int, pa
     (run / "metrics.jsonl").write_text(json.dumps({"step": 400, "eval/perplexity": ppl}) + "\n")
 
 
-@pytest.mark.parametrize(("gap", "verdict"), [(0.12, "PASS"), (0.03, "FAIL"), (0.40, "FAIL")])
-def test_c1_is_judged_in_loss_against_the_laws_interval_at_the_runs_size(tmp_path, gap, verdict):
-    ddp_loss = 4.0
+def judged(tmp_path: Path, gap: float, ddp_loss: float = 4.0) -> dict:
     fake_run(tmp_path, "ddp_mx", "tiny/ddp_mx", math.exp(ddp_loss), workers=1)
     fake_run(tmp_path, "diloco", "tiny/diloco_fp32", math.exp(ddp_loss * (1 + gap)), workers=4)
-    c1 = next(v for v in replication.check(tmp_path, ["tiny"], replication.REFERENCE) if v.id == "C1")
-    assert c1.verdict == verdict
-    assert "[+7.1%, +20.5%] at 0.689M, M=4 (extrapolated)" in c1.expected  # numpy's, above
-    assert f"loss {ddp_loss * (1 + gap):.3f} vs {ddp_loss:.3f}: {gap:+.1%}" in c1.measured
-    assert f"(perplexity {math.exp(ddp_loss * gap) - 1:+.1%}), 20.0 tokens/param" in c1.measured
-    if verdict == "FAIL":
-        assert ("below" if gap < 0.1 else "above") in c1.measured
+    return {v.id: v for v in replication.check(tmp_path, ["tiny"], replication.REFERENCE)}
+
+
+LAW = from_reference(REFERENCE, 4)
+UPPER = LAW.predict(688_768 // 2).high  # fake_run's non-embedding count: the claims' default N
+
+
+@pytest.mark.parametrize(
+    ("gap", "sign", "bound"),
+    [(0.12, "PASS", "PASS"), (0.03, "PASS", "PASS"), (-0.01, "FAIL", "PASS"), (UPPER + 0.01, "PASS", "FAIL")],
+)
+def test_c1_is_one_sided_the_sign_and_the_laws_upper_bound_in_non_embedding_parameters(
+    tmp_path, gap, sign, bound
+):
+    verdicts = judged(tmp_path, gap)
+    assert (verdicts["C1-sign"].verdict, verdicts["C1-bound"].verdict) == (sign, bound)
+    assert f"loss {4.0 * (1 + gap):.3f} vs 4.000: {gap:+.1%}" in verdicts["C1-sign"].measured
+    expected = verdicts["C1-bound"].expected
+    assert expected.startswith(f"gap <= {UPPER:+.1%}, the law's upper 95% bound")
+    both = (LAW.predict(344_384).describe(), LAW.predict(688_768).describe())
+    assert f"{both[0]} in non-embedding N; {both[1]} in total N" in expected
+    assert (
+        "decades below the study's 35M" in expected
+        and "tokens per non-embedding parameter" in verdicts["C1-bound"].measured
+    )
+    centre = verdicts["C1-centre"]
+    assert centre.verdict == "REPORTED" and centre.delta == f"{gap / LAW.predict(344_384).gap:.3f}"
+    assert verdicts["C1-150m"].verdict == "NOT TESTED"
+
+
+def test_the_law_claims_read_the_count_a_claim_names(tmp_path):
+    reference = yaml.safe_load(replication.REFERENCE.read_text())
+    for claim in reference["claims"]["tiny"]:
+        if claim["id"] == "C1-bound":
+            claim["params"] = "total"
+    (tmp_path / "ref.yaml").write_text(yaml.safe_dump(reference))
+    fake_run(tmp_path, "ddp_mx", "tiny/ddp_mx", math.exp(4.0), workers=1)
+    fake_run(tmp_path, "diloco", "tiny/diloco_fp32", math.exp(4.0 * 1.1), workers=4)
+    (bound,) = [v for v in replication.check(tmp_path, ["tiny"], tmp_path / "ref.yaml") if v.id == "C1-bound"]
+    assert bound.expected.startswith(f"gap <= {LAW.predict(688_768).high:+.1%}")
+    assert "tokens per total parameter" in bound.measured
 
 
 def test_a_record_is_judged_with_its_own_reference_unless_told_otherwise(tmp_path):
@@ -111,4 +143,4 @@ def test_a_record_is_judged_with_its_own_reference_unless_told_otherwise(tmp_pat
     assert replication.reference_for([tmp_path]) == tmp_path / replication.RECORD_REFERENCE
     assert [v.verdict for v in replication.check(tmp_path, ["tiny"]) if v.id == "C1"] == ["PASS"]
     today = replication.check(tmp_path, ["tiny"], replication.REFERENCE)
-    assert [v.verdict for v in today if v.id == "C1"] == ["FAIL"]
+    assert [v.id for v in today if v.id.startswith("C1-")] == ["C1-sign", "C1-bound", "C1-centre", "C1-150m"]
