@@ -16,7 +16,7 @@ FORCE ?= 0
 NODES_FILE ?= configs/local/nodes.txt
 export NODES_FILE
 
-.PHONY: help setup lock check-lock demo test soak-resume test-gpu lint clean tune-law tune-eager ladder-law replicate-tiny replicate-tiny-law replicate-tiny-hetero replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check sweep-tiny
+.PHONY: help setup lock check-lock demo test soak-resume test-gpu lint clean tune-law tune-eager budget-law ladder-law replicate-tiny replicate-tiny-law replicate-tiny-hetero replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check
 
 help:  ## list what can be run
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-18s %s\n", $$1, $$2}'
@@ -111,6 +111,9 @@ tune-law: setup  ## issue 33: each method's inner lr, then DiLoCo's outer optimi
 tune-eager: setup  ## issue 32: eager updates' own outer lr and momentum in that regime (P=4, tau = H), 2 seeds on the tune half, non-overlapped P=4 beside them (~20 min on 2 idle cores) -> results/tiny-law-eager-tuning
 	$(PY) scripts/tune_eager.py --runs $(RUNS)/tune-eager
 
+budget-law: setup  ## issue 42: DiLoCo vs 4x DDP (one process) at 0.25x / 0.5x / 1x / 2x the tiny_law token budget, each its own full schedule, 2 seeds (~45 min on 2 idle cores); C4 judged from the final gaps -> results/budget-law
+	$(PY) scripts/budget_law.py --runs $(RUNS)/budget-law
+
 ladder-law: setup  ## issue 33: 4x DDP vs DiLoCo at 133k, 262k, 689k params in that regime, lr swept per size and method, 2 seeds, beside the scaling law (~2 h on 2 idle cores; the largest rung at 5.8 tokens per parameter; reuses tune-law's and replicate-tiny-law's runs at 262k) -> results/ladder-law
 	$(PY) scripts/ladder_law.py --runs $(RUNS)/tune-law --family-runs $(RUNS)/tiny-law
 
@@ -125,9 +128,6 @@ replicate-1b: setup  ## the 1.1B runs (4 nodes of 8 GPUs) on the nodes in NODES_
 
 ablation-fp16: setup  ## the FP16 vs FP32 pseudo-gradient runs (4 and 8 workers, 150M) (DRY_RUN=1 as above)
 	$(PY) scripts/replicate.py --family fp16 $(DRY)
-
-sweep-tiny: setup  ## the first outer lr / momentum / H sweep (one seed, repeated data; superseded by tune-tiny) -> results/tiny/sweep.md
-	$(PY) scripts/sweep_tiny.py
 
 report: setup  ## a new dated record results/$(FAMILY)-<date>/ of RUNS (report.md, plots, summaries.json; OUT=dir, FORCE=1 to replace)
 	$(PY) scripts/report.py --family $(FAMILY) --runs $(RUNS) $(if $(OUT),--out $(OUT),) $(if $(filter 1,$(FORCE)),--force,)

@@ -3,7 +3,7 @@
 A worker node (`diloco.dumb_diloco.node.strategy.DumbDiLoCo`, the project's own code) on a shared-
 directory repository whose first global was published by a master (then stopped, so no new global
 arrives and nothing is installed: the boundary is snapshot, delta, enqueue). Its transport sits behind
-a link throttled to 10 MB/s or unlimited (`bench_common.ThrottledTransport`). Each measured boundary
+a link throttled to 10 MB/s or unlimited (`diloco.dumb_diloco.store.throttled`). Each measured boundary
 finds the uploader idle (the benchmark waits, untimed, for the previous upload to finish), so every
 measured boundary captures and dispatches a delta. The stall is the wall time of `DumbDiLoCo.on_step`
 on the training thread (the coordinator's own `comm/boundary_stall_seconds` agrees).
@@ -34,6 +34,7 @@ import torch
 from diloco.dumb_diloco.node import strategy as node_mod
 from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import Settings
+from diloco.dumb_diloco.store.throttled import ThrottledTransport
 from diloco.dumb_diloco.store.transport import DirectoryTransport
 
 TARGET = 1.5
@@ -157,7 +158,7 @@ def bench_case(shapes, tmp: Path, version: str, bytes_per_s, args) -> dict:
         publish_hf_config=False,
     )
     cls = TwoCopyCoordinator if version == "before" else DumbDiLoCo
-    transport = bc.ThrottledTransport(DirectoryTransport(repo, keep_old_versions_s=0.0), bytes_per_s)
+    transport = ThrottledTransport(DirectoryTransport(repo, keep_old_versions_s=0.0), bytes_per_s)
     c = cls(model, settings, transport)
     c.start()
     params = list(model.parameters())

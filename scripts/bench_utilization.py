@@ -16,7 +16,7 @@ see on a 100 Mbit/s link.
   (W = 8), for what the project hands to it (`diloco.comm` seam; the math is a group of one);
 - DumbDiLoCo (asynchronous, v2): this node is a worker; a master runs in the same process (no training,
   its outer loop only) and both reach the shared-directory repository through their own link of the
-  same bandwidth (`bench_common.ThrottledTransport`).
+  same bandwidth (`diloco.dumb_diloco.store.throttled`).
 
 Utilization = 1 - (time the training thread spends inside the strategy's after_inner_step) / (training
 loop wall time), over the rounds after a first warm-up round: the fraction of the loop not blocked on
@@ -45,6 +45,7 @@ import bench_common as bc
 import torch
 
 from diloco import comm, quant, sparse
+from diloco.dumb_diloco.store.throttled import ThrottledTransport
 
 PAPER_PARAMS = 214_983_680  # 150M, every parameter (the pseudo-gradient covers them all)
 PAPER_H = 500
@@ -161,7 +162,7 @@ def run_trainer(overrides: list[str], collective=None, transport=None, before=No
 
 def throttled(bytes_per_s: float):
     """build_strategy's `transport` seam: the store a DumbDiLoCo node opens, behind a slow link."""
-    return lambda transport: bc.ThrottledTransport(transport, bytes_per_s)
+    return lambda transport: ThrottledTransport(transport, bytes_per_s)
 
 
 def master_starter(bytes_per_s: float, repo: Path, state_dir: Path, h: int, poll: float):
@@ -179,7 +180,7 @@ def master_starter(bytes_per_s: float, repo: Path, state_dir: Path, h: int, poll
             role="master", node_id="master-1", repo_id=str(repo), inner_steps=h, poll_interval=poll,
             state_dir=str(state_dir), publish_hf_config=False, shutdown_timeout=600.0,
         )  # fmt: skip
-        link = bc.ThrottledTransport(DirectoryTransport(repo, keep_old_versions_s=60.0), bytes_per_s)
+        link = ThrottledTransport(DirectoryTransport(repo, keep_old_versions_s=60.0), bytes_per_s)
         master = DumbDiLoCo(build_model(cfg.model, seed=cfg.seed), settings, link)
         master.start()
         box["master"] = master

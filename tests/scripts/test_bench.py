@@ -134,10 +134,10 @@ def test_boundary(tmp_path):
 def test_throttled_transport_takes_size_over_bandwidth(tmp_path):
     import time
 
+    from diloco.dumb_diloco.store.throttled import ThrottledTransport
     from diloco.dumb_diloco.store.transport import DirectoryTransport
 
-    common = load("bench_common")
-    t = common.ThrottledTransport(DirectoryTransport(tmp_path / "repo"), bytes_per_s=1e6)
+    t = ThrottledTransport(DirectoryTransport(tmp_path / "repo"), bytes_per_s=1e6)
     start = time.perf_counter()
     t.write({"a/b.bin": b"x" * 100_000})
     assert time.perf_counter() - start >= 0.1  # a lower bound only: 100 kB at 1 MB/s

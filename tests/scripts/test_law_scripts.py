@@ -211,3 +211,32 @@ def test_the_law_regime_frontier_record_judges_every_run_the_family_makes():
         assert cfg.run_name in judged | dumb, experiment
         assert cfg.train.max_steps == tune_law.STEPS and cfg.model.name == "2m"
     assert all("Nesterov 0.9" not in what for what, *_ in ca.FAMILIES["tiny-law-frontier"].values())
+
+
+# ------------------------------------------------------------------------------------------ budget sweep
+import budget_law  # noqa: E402
+
+
+@pytest.mark.parametrize("budget", budget_law.BUDGETS)
+def test_each_budget_is_its_own_full_schedule_with_the_familys_setting(budget):
+    """max_steps, the cosine's total_steps and the warmup scale together; everything else is the family's
+    run (4x DDP in one process with the whole 4x batch per step)."""
+    for method, (experiment, _) in budget_law.METHODS.items():
+        family = compose_experiment(experiment, [])
+        cfg = compose_experiment(experiment, budget_law.overrides(method, budget, 1))
+        steps = round(1560 * budget)
+        assert cfg.train.max_steps == cfg.optim.total_steps == steps
+        assert cfg.optim.warmup_steps / steps == pytest.approx(100 / 1560, rel=0.02)
+        assert cfg.optim.lr == family.optim.lr and cfg.data.eval_subset == "report"
+        assert cfg.train.batch_size * cfg.data.seq_len == family.train.batch_size * family.data.seq_len
+        if method == "ddp":
+            assert cfg.launch.gpus_per_node == 1 and cfg.train.micro_batch_size == cfg.train.batch_size
+        else:
+            assert cfg.distributed.outer_lr == family.distributed.outer_lr
+
+
+def test_c4_from_the_budget_sweep_needs_every_seed_to_close_the_gap():
+    points = [{"gap": [0.10, 0.12]}, {"gap": [0.08, 0.11]}]
+    assert budget_law.verdict(points) == "PASS"
+    assert budget_law.verdict([{"gap": [0.10, 0.12]}, {"gap": [0.08, 0.13]}]) == "UNCERTAIN"
+    assert budget_law.verdict([{"gap": [0.10, 0.12]}, {"gap": [0.11, 0.13]}]) == "FAIL"
