@@ -17,6 +17,7 @@ not available, the sizes of `tensor_format.encode` of the same delta and global 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -90,10 +91,6 @@ SMALL = [
 
 
 def run_two_ranks(out: Path, name: str, steps: int, extra: list[str]) -> dict:
-    if str(bc.ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(bc.ROOT / "tests"))
-    from mp_utils import run_trainer
-
     overrides = [
         *SMALL,
         f"train.max_steps={steps}",
@@ -102,7 +99,16 @@ def run_two_ranks(out: Path, name: str, steps: int, extra: list[str]) -> dict:
         f"run_name={name}",
         *extra,
     ]
-    run_trainer(2, overrides, timeout=300)
+    ranks = [
+        sys.executable,
+        "scripts/launch_ranks.py",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--standalone",
+    ]
+    subprocess.run([*ranks, "-m", "diloco.train", *overrides], cwd=bc.ROOT, check=True, timeout=300)
     summary = json.loads((out / name / "summary.json").read_text())
     return summary
 
