@@ -20,7 +20,6 @@ import statistics
 from pathlib import Path
 
 import bench_common as bc
-from plan import compose_experiment, num_parameters
 from replicate import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +55,7 @@ def overrides(method: str, budget: float, seed: int, base_steps: int = STEPS) ->
 def final(runs: Path, method: str, budget: float, seed: int, base_steps: int) -> dict:
     steps = round(base_steps * budget)
     s = bc.clean_summary(runs / run_name(method, budget, seed) / "summary.json", steps)
-    return {k: s[k] for k in ("final_eval_loss", "tokens_seen", "wall_seconds", "git_commit")}
+    return {k: s[k] for k in ("final_eval_loss", "tokens_seen", "wall_seconds", "git_commit", "parameters")}
 
 
 def point(runs: Path, budget: float, seeds, base_steps: int) -> dict:
@@ -82,16 +81,16 @@ def verdict(points: list[dict]) -> str:
     return "PASS" if all(closes) else "FAIL" if not any(closes) else "UNCERTAIN"
 
 
-def table(points: list[dict], c4: str, params: int) -> str:
+def table(points: list[dict], c4: str, params: dict) -> str:
     rows = [
-        "| budget | tokens | tokens / parameter | DDP 4x loss per seed | DiLoCo loss per seed | gap per seed | gap mean ± sd |"
+        "| budget | tokens | tokens / parameter (total, non-embedding) | DDP 4x loss per seed | DiLoCo loss per seed | gap per seed | gap mean ± sd |"
     ]
     rows.append("|---|---|---|---|---|---|---|")
     for p in points:
         loss = {m: ", ".join(f"{r['final_eval_loss']:.4f}" for r in p["runs"][m]) for m in METHODS}
         per = ", ".join(f"{g:+.2%}" for g in p["gap"])
         rows.append(
-            f"| {p['budget']:g}x | {p['tokens']:,} | {p['tokens'] / params:.1f} | {loss['ddp']} | {loss['diloco']} "
+            f"| {p['budget']:g}x | {p['tokens']:,} | {p['tokens'] / params['total']:.1f}, {p['tokens'] / params['non_embedding']:.1f} | {loss['ddp']} | {loss['diloco']} "
             f"| {per} | {p['mean']:+.2%} ± {p['sd']:.2%} |"
         )
     smallest, largest = points[0]["budget"], points[-1]["budget"]
@@ -140,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.report_only:
                     run_local(experiment, args.runs, overrides(method, budget, seed, args.base_steps))
     points = [point(args.runs, b, SEEDS, args.base_steps) for b in BUDGETS]
-    n = num_parameters(compose_experiment(METHODS["diloco"][0], []).model)
+    n = points[0]["runs"]["diloco"][0]["parameters"]  # total and non-embedding
     c4 = verdict(points)
     text = table(points, c4, n)
     record = {
