@@ -185,8 +185,8 @@ def _measured_dumb(out: Path, h: int, rounds: int) -> dict:
 
 
 def encoded_sizes() -> dict:
-    from diloco.dumb_diloco.master.aggregation import pseudo_gradient
     from diloco.dumb_diloco.wire import tensor_format as tf
+    from diloco.dumb_diloco.wire.global_state import pseudo_gradient
     from diloco.model import build_model
 
     sys.path.insert(0, str(Path(__file__).parent))

@@ -28,9 +28,9 @@ from pathlib import Path
 import bench_common as bc
 import torch
 
-from diloco.dumb_diloco.master.aggregation import pseudo_gradient
 from diloco.dumb_diloco.store.transport import DirectoryTransport
 from diloco.dumb_diloco.wire import tensor_format as tf
+from diloco.dumb_diloco.wire.global_state import pseudo_gradient
 from diloco.dumb_diloco.wire.repo_paths import delta_path
 
 

@@ -3,6 +3,9 @@ fake package too:
 
 - no import cycles, counting function-local and `if TYPE_CHECKING:` imports (a cycle the reader
   must follow is a cycle, whether or not it runs);
+- no circle between folders: of two folders neither of which holds the other (node/ and master/), at
+  most one imports the other, directly or through other folders (a folder may use its parent's
+  shared modules, and its parent's entry points may compose it);
 - no module reads or writes another module's private names: `from x import _y` of a project module,
   and `obj._z` where obj is not `self`/`cls`, unless a class of the same module defines `_z` (one
   module's own business); a library's private names count too;
@@ -133,6 +136,24 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def folder_graph(root: Path) -> dict[str, set[str]]:
+    """Folder (package) -> the folders its modules import, leaving out a folder's ancestors and
+    descendants (a parent's shared modules and entry points are not a circle between siblings)."""
+    mods = modules(root)
+
+    def folder(name: str) -> str:
+        return name if mods[name].name == "__init__.py" else name.rpartition(".")[0]
+
+    def related(a: str, b: str) -> bool:
+        return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+    graph: dict[str, set[str]] = {folder(m): set() for m in mods}
+    for name, targets in import_graph(root).items():
+        here = folder(name)
+        graph[here] |= {folder(t) for t in targets if not related(here, folder(t))}
+    return graph
+
+
 # --------------------------------------------------------------------------- rule: no private access
 
 
@@ -254,6 +275,10 @@ def test_no_import_cycles_in_src():
     assert cycles(import_graph(SRC)) == []
 
 
+def test_no_folder_of_src_imports_a_folder_that_imports_it():
+    assert cycles(folder_graph(SRC)) == []
+
+
 def test_no_module_in_src_touches_another_modules_private_names():
     assert private_access(SRC) == []
 
@@ -309,6 +334,21 @@ def test_the_cycle_finder_counts_function_local_and_type_checking_imports(tmp_pa
         "pkg.e": {"pkg.d"},
     }
     assert cycles(g) == [["pkg.a", "pkg.b"], ["pkg.d", "pkg.e"]]
+
+
+def test_the_folder_cycle_finder_sees_siblings_through_a_third_and_not_a_parent(tmp_path):
+    root = _fake_package(tmp_path, {"app": "from pkg.node import run\n", "util": ""})
+    for folder, text in {
+        "node": "from pkg import util\nfrom pkg.master import m\n",
+        "master": "from pkg.wire import w\n",
+    }.items():
+        (root / "pkg" / folder).mkdir()
+        (root / "pkg" / folder / "__init__.py").write_text(text)
+    (root / "pkg" / "wire").mkdir()
+    (root / "pkg" / "wire" / "__init__.py").write_text("")
+    assert cycles(folder_graph(root)) == []  # pkg.app -> node and node -> pkg.util: a parent's, not a circle
+    (root / "pkg" / "wire" / "__init__.py").write_text("def w():\n    from pkg.node import run\n")
+    assert cycles(folder_graph(root)) == [["pkg.master", "pkg.node", "pkg.wire"]]
 
 
 def test_the_private_checker_finds_imports_and_reads_of_anothers_privates(tmp_path):

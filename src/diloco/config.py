@@ -24,6 +24,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from diloco import schema
 from diloco.assets import register_resolvers  # noqa: F401  (configs use ${diloco_asset:...})
+from diloco.errors import ConfigError
 
 # DiLoCo's pseudo-gradient wire dtypes (diloco.comm: the floats, all-reduced; diloco.quant: int8/int4,
 # reduce-scattered and all-gathered; diloco.sparse: topk2, all-gathered)
@@ -31,10 +32,6 @@ WIRE_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4", "topk2")
 ERROR_FEEDBACK_DTYPES = ("int8", "int4", "topk2")
 GLOBAL_COPY_DEVICES = ("cpu", "device")
 DUMB_DILOCO_ROLES = ("master", "worker", "single")
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and the problem."""
 
 
 def print_error(message: str, *, every_rank: bool = False) -> None:

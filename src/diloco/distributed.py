@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from diloco.config import ConfigError
+from diloco.errors import ConfigError
 
 log = logging.getLogger("diloco")
 

@@ -282,8 +282,8 @@ def published_step(repo) -> int:
 
 def applied_nodes(repo) -> set[str]:
     """The nodes with at least one delta applied in the published ledger."""
-    from diloco.dumb_diloco.master.recovery import GLOBAL_LEDGER_PATH
     from diloco.dumb_diloco.store.transport import RemoteNotFound
+    from diloco.dumb_diloco.wire.repo_paths import GLOBAL_LEDGER_PATH
 
     try:
         entries = json.loads(repo.read(GLOBAL_LEDGER_PATH))["entries"]
@@ -309,8 +309,14 @@ def replay(repo, node_state) -> None:
     from dumb_helpers import Tiny
 
     from diloco.dumb_diloco.master.aggregation import average as _average
-    from diloco.dumb_diloco.master.recovery import GLOBAL_LEDGER_PATH, GLOBAL_MOMENTUM_PATH, MasterState
-    from diloco.dumb_diloco.wire.repo_paths import GLOBAL_WEIGHTS_PATH, delta_path, parse_delta_path
+    from diloco.dumb_diloco.master.recovery import MasterState
+    from diloco.dumb_diloco.wire.repo_paths import (
+        GLOBAL_LEDGER_PATH,
+        GLOBAL_MOMENTUM_PATH,
+        GLOBAL_WEIGHTS_PATH,
+        delta_path,
+        parse_delta_path,
+    )
     from diloco.dumb_diloco.wire.tensor_format import decode
 
     ledger = json.loads(repo.read(GLOBAL_LEDGER_PATH))
@@ -390,9 +396,8 @@ def _repo(tmp_path, kind):
 
 @pytest.mark.slow
 def test_second_master_refuses_while_the_lease_is_fresh_then_takes_over(tmp_path):
-    from diloco.dumb_diloco.master.recovery import LEASE_PATH
     from diloco.dumb_diloco.store.transport import DirectoryTransport
-    from diloco.dumb_diloco.wire.repo_paths import GLOBAL_STEP_PATH
+    from diloco.dumb_diloco.wire.repo_paths import GLOBAL_STEP_PATH, LEASE_PATH
 
     repo_dir = str(tmp_path / "repo")
     lease = 2.0  # m1's lease, and the taking-over m2's

@@ -15,11 +15,15 @@ import pytest
 import torch
 from dumb_helpers import W0, Spy, Tiny, g, make_loop, put_delta, settings, worker
 
-from diloco.dumb_diloco.master.intake import final_marker_path
-from diloco.dumb_diloco.master.recovery import GLOBAL_LEDGER_PATH, LEASE_PATH
 from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.store.transport import DirectoryTransport, RemoteFile
-from diloco.dumb_diloco.wire.repo_paths import GLOBAL_STEP_PATH, delta_path
+from diloco.dumb_diloco.wire.repo_paths import (
+    GLOBAL_LEDGER_PATH,
+    GLOBAL_STEP_PATH,
+    LEASE_PATH,
+    delta_path,
+    final_marker_path,
+)
 from diloco.dumb_diloco.wire.tensor_format import encode
 
 pytestmark = pytest.mark.usefixtures("no_network")

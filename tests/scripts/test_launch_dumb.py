@@ -29,9 +29,15 @@ from mp_utils import wait_for_nodes
 from trainer_utils import compose_cfg
 
 from diloco.dumb_diloco.master.aggregation import average
-from diloco.dumb_diloco.master.recovery import GLOBAL_LEDGER_PATH, GLOBAL_MOMENTUM_PATH, MasterState
+from diloco.dumb_diloco.master.recovery import MasterState
 from diloco.dumb_diloco.store.transport import DirectoryTransport, HubTransport
-from diloco.dumb_diloco.wire.repo_paths import GLOBAL_WEIGHTS_PATH, delta_path, parse_delta_path
+from diloco.dumb_diloco.wire.repo_paths import (
+    GLOBAL_LEDGER_PATH,
+    GLOBAL_MOMENTUM_PATH,
+    GLOBAL_WEIGHTS_PATH,
+    delta_path,
+    parse_delta_path,
+)
 from diloco.dumb_diloco.wire.tensor_format import decode
 from diloco.model import build_model
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from diloco.config import ConfigError, check_distributed
+from diloco.config import check_distributed
+from diloco.errors import ConfigError
 from diloco.schema import DumbDiLoCoConfig
 
 from .store.transport import RetryPolicy

@@ -17,13 +17,12 @@ import torch
 from dumb_helpers import B0, LR, MU, W0, Spy, Tiny, g, make_loop, put_delta, settings
 
 from diloco.dumb_diloco.master.aggregation import RunningSum, average
-from diloco.dumb_diloco.master.intake import final_marker_path
 from diloco.dumb_diloco.master.loop import OuterLoop
 from diloco.dumb_diloco.master.recovery import MasterState
 from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import Settings
 from diloco.dumb_diloco.store.transport import DirectoryTransport, ReadsInto
-from diloco.dumb_diloco.wire.repo_paths import delta_path
+from diloco.dumb_diloco.wire.repo_paths import delta_path, final_marker_path
 from diloco.dumb_diloco.wire.tensor_format import InvalidTensorFile, decode, encode
 
 pytestmark = pytest.mark.usefixtures("no_network")

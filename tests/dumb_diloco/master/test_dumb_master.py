@@ -16,17 +16,18 @@ import pytest
 import torch
 from dumb_helpers import B0, LR, MU, W0, Spy, Tiny, g, make_loop, put_delta, settings
 
-from diloco.dumb_diloco.master.recovery import (
-    GLOBAL_LEDGER_PATH,
-    GLOBAL_MOMENTUM_PATH,
-    LEASE_PATH,
-    MasterState,
-    lease_holder,
-)
+from diloco.dumb_diloco.master.recovery import MasterState, lease_holder
 from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import DumbDiLoCoError
 from diloco.dumb_diloco.store.transport import DirectoryTransport, RemoteFile, TransientError
-from diloco.dumb_diloco.wire.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, delta_path
+from diloco.dumb_diloco.wire.repo_paths import (
+    GLOBAL_LEDGER_PATH,
+    GLOBAL_MOMENTUM_PATH,
+    GLOBAL_STEP_PATH,
+    GLOBAL_WEIGHTS_PATH,
+    LEASE_PATH,
+    delta_path,
+)
 from diloco.dumb_diloco.wire.tensor_format import DeltaMeta, decode, encode
 
 pytestmark = pytest.mark.usefixtures("no_network")

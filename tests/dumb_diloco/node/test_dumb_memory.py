@@ -16,11 +16,11 @@ import pytest
 import torch
 from dumb_helpers import make_loop, publish, settings
 
-from diloco.dumb_diloco.master.aggregation import pseudo_gradient
 from diloco.dumb_diloco.node.lanes import DeltaJob, OwnCopy
 from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.store.transport import DirectoryTransport
 from diloco.dumb_diloco.wire.delta_file import DeltaFile
+from diloco.dumb_diloco.wire.global_state import pseudo_gradient
 from diloco.dumb_diloco.wire.tensor_format import DeltaMeta, encode
 
 pytestmark = pytest.mark.usefixtures("no_network")

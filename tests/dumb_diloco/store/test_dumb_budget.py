@@ -12,7 +12,6 @@ import pytest
 from dumb_helpers import Spy, make_loop, settings
 
 from diloco.config import ConfigError, validate
-from diloco.dumb_diloco.master.recovery import GLOBAL_LEDGER_PATH, LEASE_PATH
 from diloco.dumb_diloco.store.budget import (
     CommitBudget,
     PaceCheck,
@@ -21,6 +20,7 @@ from diloco.dumb_diloco.store.budget import (
     pace_warning,
 )
 from diloco.dumb_diloco.store.transport import DirectoryTransport
+from diloco.dumb_diloco.wire.repo_paths import GLOBAL_LEDGER_PATH, LEASE_PATH
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
 from plan import PlanError, check_run, commit_budget_line, compose_experiment  # noqa: E402

@@ -21,12 +21,12 @@ from dumb_helpers import LR, MU, W0, Tiny, g, make_loop, publish, put_delta, set
 
 from diloco.config import ConfigError, validate
 from diloco.dumb_diloco.master.intake import Intake
-from diloco.dumb_diloco.master.recovery import GLOBAL_LEDGER_PATH, delta_layout
 from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import Settings
 from diloco.dumb_diloco.store.transport import DirectoryTransport
 from diloco.dumb_diloco.wire.delta_codec import DeltaCodec, wire_layout
-from diloco.dumb_diloco.wire.repo_paths import delta_path
+from diloco.dumb_diloco.wire.global_state import delta_layout
+from diloco.dumb_diloco.wire.repo_paths import GLOBAL_LEDGER_PATH, delta_path
 from diloco.dumb_diloco.wire.tensor_format import DeltaMeta, encode, parse_header
 from diloco.quant import dequantize, payload_bytes, quantize
 

@@ -30,9 +30,9 @@ from test_dumb_quant import (
 
 from diloco import sparse
 from diloco.comm import SoloCollective
-from diloco.dumb_diloco.master.recovery import delta_layout
 from diloco.dumb_diloco.store.transport import DirectoryTransport
 from diloco.dumb_diloco.wire.delta_codec import DeltaCodec, wire_layout
+from diloco.dumb_diloco.wire.global_state import delta_layout
 from diloco.dumb_diloco.wire.repo_paths import delta_path
 from diloco.dumb_diloco.wire.tensor_format import DeltaMeta, parse_header
 

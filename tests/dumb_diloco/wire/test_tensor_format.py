@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from diloco.dumb_diloco.master.aggregation import is_delta_tensor, pseudo_gradient
 from diloco.dumb_diloco.wire import tensor_format as tf
+from diloco.dumb_diloco.wire.global_state import is_delta_tensor, pseudo_gradient
 from diloco.dumb_diloco.wire.repo_paths import delta_path, parse_delta_path, validate_node_id
 from diloco.dumb_diloco.wire.tensor_format import DeltaMeta, InvalidTensorFile, decode, encode, parse_header
 

@@ -84,29 +84,3 @@ def average(
         for t in out.values():
             t.div_(len(deltas))
     return out
-
-
-def is_delta_tensor(t: torch.Tensor) -> bool:
-    """Floating and complex tensors take part in deltas; integer/bool buffers do not."""
-    return t.is_floating_point() or t.is_complex()
-
-
-def pseudo_gradient(
-    baseline: dict[str, torch.Tensor], current: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """float32(baseline) - float32(current) for every floating/complex entry (DiLoCo's outer
-    gradient). Complex entries go through `torch.view_as_real`, giving float32 of shape [..., 2]."""
-    if set(baseline) != set(current):
-        diff = sorted(set(baseline) ^ set(current))
-        raise ValueError(f"baseline and current have different keys, e.g. {diff[:3]}")
-    out: dict[str, torch.Tensor] = {}
-    for name, base in baseline.items():
-        cur = current[name]
-        if not is_delta_tensor(base):
-            continue
-        if base.shape != cur.shape or base.is_complex() != cur.is_complex():
-            raise ValueError(f"{name}: baseline {tuple(base.shape)} and current {tuple(cur.shape)} differ")
-        if base.is_complex():
-            base, cur = torch.view_as_real(base), torch.view_as_real(cur)
-        out[name] = base.detach().to(torch.float32) - cur.detach().to(base.device, torch.float32)
-    return out

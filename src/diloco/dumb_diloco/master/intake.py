@@ -17,31 +17,12 @@ import torch
 
 from ..store.transport import FileTooLarge, ReadsInto, RemoteNotFound, Transport, TransportError
 from ..wire.delta_codec import WIRE_DTYPES, to_float32, wire_layout
-from ..wire.repo_paths import NODES_DIR, parse_delta_path, validate_node_id
+from ..wire.repo_paths import NODES_DIR, is_node_id, marker_node, parse_delta_path
 from ..wire.tensor_format import DeltaMeta, InvalidTensorFile, decode
 from .recovery import Ledger, LedgerEntry
 
 log = logging.getLogger("diloco.dumb_diloco")
-FINAL_MARKER = (
-    "final.json"  # nodes/<node_id>/final.json: the node's last delta, written after it (not the spec)
-)
 MARKER_MAX_BYTES = 2**16
-
-
-def final_marker_path(node_id: str) -> str:
-    return f"{NODES_DIR}/{node_id}/{FINAL_MARKER}"
-
-
-def marker_node(path: str) -> str | None:
-    """The node id of a final marker's path (nodes/<node_id>/final.json); None for any other path."""
-    parts = path.split("/")
-    return parts[1] if len(parts) == 3 and parts[2] == FINAL_MARKER and _is_node_id(parts[1]) else None
-
-
-def announced_nodes(transport: Transport, revision: str) -> set[str]:
-    """The nodes that have announced themselves: those with a final marker (a node writes it, "running",
-    when it starts). Raises TransportError."""
-    return {n for f in transport.list(NODES_DIR, revision) if (n := marker_node(f.path)) is not None}
 
 
 def parse_final_marker(raw: bytes, node_id: str) -> tuple[int, str] | None:
@@ -125,7 +106,7 @@ class Intake:
         parts, version = f.path.split("/"), getattr(f, "version", "") or f"{f.size}"
         node = "/".join(parts[1:-1]) or "(none)"
         name = parts[-1].removeprefix("delta_").removesuffix(".safetensors")
-        if not _is_node_id(node):
+        if not is_node_id(node):
             reason = f"path-unsafe node directory {node!r} in {f.path}"
         else:
             reason = (
@@ -264,14 +245,6 @@ class Intake:
                 return None
             self._marker_cache[key] = parse_final_marker(raw, node)
         return self._marker_cache[key]
-
-
-def _is_node_id(name: str) -> bool:
-    try:
-        validate_node_id(name)
-        return True
-    except ValueError:
-        return False
 
 
 def _tag(kind: str, f) -> str:

@@ -31,19 +31,12 @@ import torch
 from ..store.base import why_permanent
 from ..store.budget import LEDGER_EVERY_S
 from ..store.transport import Transport, TransportError
+from ..wire.global_state import GlobalSnapshot, delta_layout
+from ..wire.repo_paths import GLOBAL_LEDGER_PATH, LEASE_PATH, utc_now
 from .aggregation import RunningSum
 from .intake import Candidate, Intake
 from .publication import HF_CONFIG_PATH, garbage, global_files, lease_blob, ledger_blob
-from .recovery import (
-    GLOBAL_LEDGER_PATH,
-    LEASE_PATH,
-    GlobalSnapshot,
-    LedgerEntry,
-    MasterState,
-    delta_layout,
-    read_lease,
-    utc_now,
-)
+from .recovery import LedgerEntry, MasterState, read_lease
 
 log = logging.getLogger("diloco.dumb_diloco")
 

@@ -11,9 +11,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-from ..wire.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH
+from ..wire.repo_paths import (
+    GLOBAL_LEDGER_PATH,
+    GLOBAL_MOMENTUM_PATH,
+    GLOBAL_STEP_PATH,
+    GLOBAL_WEIGHTS_PATH,
+    utc_now,
+)
 from ..wire.tensor_format import encode, parse_header
-from .recovery import GLOBAL_LEDGER_PATH, GLOBAL_MOMENTUM_PATH, LedgerEntry, MasterState, utc_now
+from .recovery import LedgerEntry, MasterState
 
 HF_CONFIG_PATH = "config.json"
 HF_INDEX_PATH = "model.safetensors.index.json"

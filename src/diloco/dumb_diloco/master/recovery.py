@@ -15,7 +15,6 @@ import json
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -24,22 +23,20 @@ from diloco.outer import OuterOptimizer
 
 from ...files import write_atomic
 from ..store.transport import RemoteNotFound, Transport
+from ..wire.global_state import GlobalSnapshot, is_delta_tensor
+from ..wire.repo_paths import (
+    GLOBAL_LEDGER_PATH,
+    GLOBAL_MOMENTUM_PATH,
+    LEASE_PATH,
+    LEDGER_FILE_MAX_BYTES,
+    utc_now,
+)
 from ..wire.tensor_format import TORCH_DTYPES, InvalidTensorFile, decode, encode
-from .aggregation import is_delta_tensor
 
 log = logging.getLogger("diloco.dumb_diloco")
 
 STATE_FORMAT = 1
-# past the spec: published in the same transport write (one Hub commit) as the global weights
-GLOBAL_LEDGER_PATH = "global/ledger.json"  # the processed-delta ledger, outer step, global_sha256
-GLOBAL_MOMENTUM_PATH = "global/outer_momentum.safetensors"  # momentum (+ delayed-Nesterov accumulator)
-LEASE_PATH = "global/master_lease.json"  # single-master lease: master id + heartbeat time
-LEDGER_FILE_MAX_BYTES = 256 * 2**20
 _TENSORS = ("weights", "momentum", "delayed")  # MasterState's tensor dicts, "<kind>/<name>" in files
-
-
-def utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def as_float32(t: torch.Tensor) -> torch.Tensor:
@@ -55,20 +52,6 @@ def from_float32(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype, copy=True)
 
 
-def delta_layout(state: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Expected (shape, dtype) of every tensor of a node delta for a model with this state_dict."""
-    return {
-        name: ((*t.shape, 2) if t.is_complex() else tuple(t.shape), torch.float32)
-        for name, t in state.items()
-        if is_delta_tensor(t)
-    }
-
-
-def state_layout(state: dict[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Expected (shape, dtype) of every tensor of the global file: the full state_dict as it is."""
-    return {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
-
-
 _DTYPES_BY_NAME = {str(d).removeprefix("torch."): d for d in TORCH_DTYPES.values()}  # what a state file holds
 
 
@@ -77,20 +60,6 @@ def _dtype_from_name(name: str) -> torch.dtype:
     if dtype is None:
         raise ValueError(f"unknown dtype {name!r}")
     return dtype
-
-
-@dataclass(frozen=True)
-class GlobalSnapshot:
-    """One version of the global model: the full state_dict in the model's dtypes (never mutated)."""
-
-    outer_step: int
-    state: dict[str, torch.Tensor]
-    source: str = "repo"  # "repo" (downloaded) or "master" (this process's outer loop)
-    num_peers: int = 0  # distinct nodes whose deltas made this version's round
-    included: dict[str, int] = field(default_factory=dict)  # node -> newest local step of its applied deltas
-    step_micros: dict[str, int] = field(
-        default_factory=dict
-    )  # node -> its busy microseconds per step, if sent
 
 
 # --------------------------------------------------------------------------- ledger

@@ -18,11 +18,11 @@ from typing import IO
 
 import torch
 
-from ..node.joiner import Joiner
 from ..settings import Settings
+from ..wire.global_state import GlobalSnapshot
 from .loop import OuterLoop
-from .recovery import GlobalSnapshot, MasterState
-from .startup import open_outer_loop, recover_outer_loop, take_lease
+from .recovery import MasterState
+from .startup import Repository, open_outer_loop, recover_outer_loop, take_lease
 
 log = logging.getLogger("diloco.dumb_diloco")
 
@@ -33,7 +33,7 @@ class MasterRole:
     def __init__(
         self,
         settings: Settings,
-        joiner: Joiner,
+        joiner: Repository,
         state_dir: Path,
         *,
         fetch: Callable[[], GlobalSnapshot | None],

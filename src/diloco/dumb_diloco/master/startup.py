@@ -1,5 +1,5 @@
 """A master's start from the newest state it can trust (`take_lease`, `recover_outer_loop`,
-`open_outer_loop`); how the node joins the run (`GlobalReader`, `Joiner`) is node/joiner.py.
+`open_outer_loop`); how the node joins the run (`GlobalReader`, `Joiner`, one `Repository`) is node/joiner.py.
 
 Invariants: the master runs under the start-up deadline of `DumbDiLoCo.start` (startup_timeout, retries
 included). Prose: docs/dumb_diloco.md ("Node lifecycle", "Restarts and checkpoints").
@@ -13,31 +13,42 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 import torch
 
-from ..node.joiner import GlobalMismatch, Joiner
 from ..settings import DumbDiLoCoError, Settings
 from ..store.transport import RevisionConflict, Transport, TransportError, write_atomic
-from ..wire.tensor_format import InvalidTensorFile
+from ..wire.global_state import GlobalSnapshot
+from ..wire.repo_paths import LEASE_PATH
+from ..wire.tensor_format import GlobalMismatch, InvalidTensorFile
 from .loop import OuterLoop
 from .publication import lease_blob
-from .recovery import (
-    LEASE_PATH,
-    GlobalSnapshot,
-    MasterState,
-    lease_holder,
-    load_published_state,
-    read_lease,
-    recover,
-)
+from .recovery import MasterState, lease_holder, load_published_state, read_lease, recover
 
 log = logging.getLogger("diloco.dumb_diloco")
 
 
+class PublishedGlobal(Protocol):
+    """What the master reads of the newest published global: its step_count.json and the versions that
+    failed validation (the node's node/joiner.GlobalReader is one)."""
+
+    step_info: dict
+    rejected: set[tuple[int, str]]
+
+
+class Repository(Protocol):
+    """The repository the master runs against, as the node that hosts it opened it (node/joiner.Joiner
+    is one): the run's settings, the transport once connected and the reader of the published global.
+    A protocol here, so the master needs nothing of the node's folder."""
+
+    s: Settings
+    transport: Transport
+    reader: PublishedGlobal
+
+
 def recover_outer_loop(
-    joiner: Joiner,
+    joiner: Repository,
     fetch: Callable[[], GlobalSnapshot | None],
     check_layout: Callable[[dict[str, torch.Tensor], str], None],
     model_state: dict[str, torch.Tensor],

@@ -16,10 +16,15 @@ import json
 import logging
 from collections.abc import Callable
 
-from ..master.intake import final_marker_path
-from ..master.recovery import GLOBAL_LEDGER_PATH, LEASE_PATH, LEDGER_FILE_MAX_BYTES, utc_now
 from ..store.transport import RemoteNotFound, Transport, TransportError
-from ..wire.repo_paths import GLOBAL_STEP_PATH
+from ..wire.repo_paths import (
+    GLOBAL_LEDGER_PATH,
+    GLOBAL_STEP_PATH,
+    LEASE_PATH,
+    LEDGER_FILE_MAX_BYTES,
+    final_marker_path,
+    utc_now,
+)
 from .joiner import STEP_FILE_MAX_BYTES
 
 log = logging.getLogger("diloco.dumb_diloco")

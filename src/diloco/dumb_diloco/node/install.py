@@ -23,8 +23,8 @@ import threading
 
 import torch
 
-from ..master.recovery import GlobalSnapshot, state_layout
 from ..settings import DumbDiLoCoError
+from ..wire.global_state import GlobalSnapshot, state_layout
 from .lanes import Buffers, DeltaJob
 
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]

@@ -19,8 +19,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..master.intake import announced_nodes
-from ..master.recovery import GlobalSnapshot
 from ..settings import DumbDiLoCoError, Settings
 from ..store.transport import (
     RemoteNotFound,
@@ -30,16 +28,13 @@ from ..store.transport import (
     open_transport,
     time_left,
 )
-from ..wire.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH
-from ..wire.tensor_format import InvalidTensorFile, decode, parse_header
+from ..wire.global_state import GlobalSnapshot
+from ..wire.repo_paths import GLOBAL_STEP_PATH, GLOBAL_WEIGHTS_PATH, announced_nodes
+from ..wire.tensor_format import GlobalMismatch, InvalidTensorFile, decode, parse_header
 
 log = logging.getLogger("diloco.dumb_diloco")
 STEP_FILE_MAX_BYTES = 16 * 2**20
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
-
-
-class GlobalMismatch(InvalidTensorFile):
-    """A well-formed global of another model (keys, shapes or dtypes): waiting will not fix it."""
 
 
 def parse_step_info(raw: bytes) -> dict:

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..master.aggregation import pseudo_gradient
 from ..settings import Settings
 from ..store.transport import PermanentError, RemoteNotFound
 from ..wire.delta_file import DeltaFile
+from ..wire.global_state import pseudo_gradient
 from ..wire.tensor_format import DeltaMeta
 
 

@@ -42,12 +42,12 @@ from diloco.schema import DumbDiLoCoConfig
 from diloco.strategy import RunShape
 
 from ..master.loop import OuterLoop
-from ..master.recovery import GlobalSnapshot, delta_layout, state_layout
 from ..master.role import MasterRole
 from ..settings import DumbDiLoCoError, Settings
 from ..store.budget import PaceCheck
 from ..store.transport import HubTransport, Transport, deadline
 from ..wire.delta_codec import DeltaCodec
+from ..wire.global_state import GlobalSnapshot, delta_layout, state_layout
 from ..wire.tensor_format import InvalidTensorFile
 from .counters import Counters
 from .ending import await_final_status

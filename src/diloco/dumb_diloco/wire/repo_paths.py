@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from datetime import datetime, timezone
 
 GLOBAL_WEIGHTS_PATH = "global/latest.safetensors"
 GLOBAL_STEP_PATH = "global/step_count.json"
@@ -49,3 +50,41 @@ def parse_delta_path(path: str) -> tuple[str, int] | None:
     with contextlib.suppress(ValueError):
         return (validate_node_id(parts[1]), int(m.group(1))) if m else None
     return None
+
+
+# past the spec: published in the same transport write (one Hub commit) as the global weights
+GLOBAL_LEDGER_PATH = "global/ledger.json"  # the processed-delta ledger, outer step, global_sha256
+GLOBAL_MOMENTUM_PATH = "global/outer_momentum.safetensors"  # momentum (+ delayed-Nesterov accumulator)
+LEASE_PATH = "global/master_lease.json"  # single-master lease: master id + heartbeat time
+LEDGER_FILE_MAX_BYTES = 256 * 2**20
+FINAL_MARKER = (
+    "final.json"  # nodes/<node_id>/final.json: the node's last delta, written after it (not the spec)
+)
+
+
+def final_marker_path(node_id: str) -> str:
+    return f"{NODES_DIR}/{node_id}/{FINAL_MARKER}"
+
+
+def marker_node(path: str) -> str | None:
+    """The node id of a final marker's path (nodes/<node_id>/final.json); None for any other path."""
+    parts = path.split("/")
+    return parts[1] if len(parts) == 3 and parts[2] == FINAL_MARKER and is_node_id(parts[1]) else None
+
+
+def announced_nodes(transport, revision: str) -> set[str]:
+    """The nodes that have announced themselves: those with a final marker (a node writes it, "running",
+    when it starts). Raises what `transport.list` raises."""
+    return {n for f in transport.list(NODES_DIR, revision) if (n := marker_node(f.path)) is not None}
+
+
+def is_node_id(name: str) -> bool:
+    try:
+        validate_node_id(name)
+        return True
+    except ValueError:
+        return False
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -513,3 +513,7 @@ def _views(blob: bytes, header: SafetensorsHeader, whole: torch.Tensor | None) -
         # torch warns once per process that bytes are read-only, as it does under safetensors.torch.load
         out[name] = torch.frombuffer(blob, dtype=dtype, count=count, offset=offset).view(info.shape)
     return out
+
+
+class GlobalMismatch(InvalidTensorFile):
+    """A well-formed global of another model (keys, shapes or dtypes): waiting will not fix it."""
