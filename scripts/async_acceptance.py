@@ -27,7 +27,7 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
-import bench_common as bc
+from diloco.experiments import records
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"sync": "tiny-diloco-fp32", "dumb": "tiny-dumb-diloco-node-0"}
@@ -36,7 +36,7 @@ BAR = 0.03
 
 def read(prefix: str, seed: int, kind: str) -> dict:
     path = Path(f"{prefix}-s{seed}") / RUNS[kind] / "summary.json"
-    s = bc.clean_summary(path)
+    s = records.clean_summary(path)
     keys = ("final_eval_perplexity", "wall_seconds", "git_commit", "tokens_seen", "step", "status")
     return {k: s.get(k) for k in keys} | {"path": str(path)}
 
@@ -92,15 +92,20 @@ def heterogeneous(dirs: str) -> dict:
     reached = next(((t, step, ppl) for t, step, ppl in dumb if ppl <= target), None)
     ratio = reached[0] / t_sync if reached else None
     dirs = [Path(sync_dir), *sorted(Path(dumb_prefix).parent.glob(Path(dumb_prefix).name + "-node-*[0-9]"))]
-    runs = {d.name: bc.clean_summary(d / "summary.json") for d in dirs}  # a dirty tree's run is refused
+    runs = {d.name: records.clean_summary(d / "summary.json") for d in dirs}  # a dirty tree's run is refused
     return {
-        "sync_dir": sync_dir, "target_ppl": target, "sync_seconds": t_sync, "sync_curve": sync, "dumb_curve": dumb,
-        "dumb_reached": reached, "ratio": ratio,
+        "sync_dir": sync_dir,
+        "target_ppl": target,
+        "sync_seconds": t_sync,
+        "sync_curve": sync,
+        "dumb_curve": dumb,
+        "dumb_reached": reached,
+        "ratio": ratio,
         "verdict": "PASS" if ratio is not None and ratio <= 0.75 else "FAIL",
         "commits": sorted({s["git_commit"] for s in runs.values()}),
         # train.step_seconds: each run's emulated step time, and its steps whose work alone took longer
         "emulated_step": {name: s.get("emulated_step") for name, s in runs.items()},
-    }  # fmt: skip
+    }
 
 
 def seed_mean(pairs: list[dict]) -> dict | None:
@@ -116,8 +121,54 @@ def seed_mean(pairs: list[dict]) -> dict | None:
     ]
     reached = next((point for point in curve if point[2] <= target), None)
     ratio = reached[0] / t_sync if reached else None
-    return {"pairs": len(pairs), "target_ppl": target, "sync_seconds": t_sync, "dumb_curve": curve,
-            "dumb_reached": reached, "ratio": ratio}  # fmt: skip
+    return {
+        "pairs": len(pairs),
+        "target_ppl": target,
+        "sync_seconds": t_sync,
+        "dumb_curve": curve,
+        "dumb_reached": reached,
+        "ratio": ratio,
+    }
+
+
+def horizon_lines(rows: dict) -> list[str]:
+    """The markdown table of the horizons: each method's perplexity per seed, mean and spread, the gap."""
+    if not rows:
+        return []
+    lines = [
+        "| steps | synchronous DiLoCo (per seed) | mean ± spread | DumbDiLoCo (per seed) | mean ± spread "
+        "| gap of means | gap per seed | within 3% |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for steps, h in rows.items():
+        cells = []
+        for kind in RUNS:
+            cells += [
+                ", ".join(f"{p:.2f}" for p in h["ppl"][kind]),
+                f"{h['mean'][kind]:.2f} ± {h['spread'][kind]:.2f}",
+            ]
+        per = ", ".join(f"{g:+.1%}" for g in h["gap_per_seed"])
+        lines.append(f"| {steps} | {' | '.join(cells)} | {h['gap_of_means']:+.1%} | {per} | {h['verdict']} |")
+    return lines
+
+
+def heterogeneous_lines(h: dict) -> list[str]:
+    """One heterogeneous pair's paragraph: when DumbDiLoCo reaches synchronous DiLoCo's final perplexity."""
+    got = h["dumb_reached"]
+    line = (
+        f"Heterogeneous, one of 4 workers 2x slower ({h['sync_dir']}): synchronous DiLoCo ends at "
+        f"{h['target_ppl']:.2f} after {h['sync_seconds']:.0f} s; DumbDiLoCo's master "
+        + (
+            f"reaches it at step {got[1]} after {got[0]:.0f} s ({h['ratio']:.0%} of that)"
+            if got
+            else "never reaches it"
+        )
+        + f" (best {min(p for *_, p in h['dumb_curve']):.2f}); within 75%: {h['verdict']}"
+    )
+    if emulated := [e for e in h["emulated_step"].values() if e]:
+        over = sum(e["steps_over"] for e in emulated) / sum(e["steps"] for e in emulated)
+        line += f"; emulated step time (train.step_seconds) overrun on {over:.1%} of steps"
+    return ["", line]
 
 
 def main() -> None:
@@ -137,7 +188,7 @@ def main() -> None:
         "command": "python scripts/async_acceptance.py "
         + " ".join(f"--horizon {h}" for h in args.horizon)
         + f" --seeds {' '.join(map(str, args.seeds))}",
-        **bc.head(),
+        **records.head(),
         "machine": f"{platform.node()} {platform.machine()}",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "bar": BAR,
@@ -151,48 +202,25 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
-    lines = [
-        "| steps | synchronous DiLoCo (per seed) | mean ± spread | DumbDiLoCo (per seed) | mean ± spread "
-        "| gap of means | gap per seed | within 3% |",
-        "|---|---|---|---|---|---|---|---|",
-    ] if rows else []  # fmt: skip
-    for steps, h in rows.items():
-        cells = []
-        for kind in RUNS:
-            cells += [
-                ", ".join(f"{p:.2f}" for p in h["ppl"][kind]),
-                f"{h['mean'][kind]:.2f} ± {h['spread'][kind]:.2f}",
-            ]
-        per = ", ".join(f"{g:+.1%}" for g in h["gap_per_seed"])
-        lines.append(f"| {steps} | {' | '.join(cells)} | {h['gap_of_means']:+.1%} | {per} | {h['verdict']} |")
+    lines = horizon_lines(rows)
     commits = sorted({r["git_commit"][:10] for h in rows.values() for rs in h["runs"].values() for r in rs})
     for h in record.get("heterogeneous", []):
-        got = h["dumb_reached"]
-        lines += [
-            "",
-            f"Heterogeneous, one of 4 workers 2x slower ({h['sync_dir']}): synchronous DiLoCo ends at "
-            f"{h['target_ppl']:.2f} after {h['sync_seconds']:.0f} s; DumbDiLoCo's master "
-            + (
-                f"reaches it at step {got[1]} after {got[0]:.0f} s ({h['ratio']:.0%} of that)"
-                if got
-                else "never reaches it"
-            )
-            + f" (best {min(p for *_, p in h['dumb_curve']):.2f}); within 75%: {h['verdict']}",
-        ]
+        lines += heterogeneous_lines(h)
         commits += [c[:10] for c in h["commits"] if c[:10] not in commits]
-        if emulated := [e for e in h["emulated_step"].values() if e]:
-            over = sum(e["steps_over"] for e in emulated) / sum(e["steps"] for e in emulated)
-            lines[-1] += f"; emulated step time (train.step_seconds) overrun on {over:.1%} of steps"
     if mean := record.get("heterogeneous_mean"):
         got = mean["dumb_reached"]
         lines += [
             "",
             f"Mean of the {mean['pairs']} pairs: synchronous DiLoCo ends at {mean['target_ppl']:.2f} after "
             f"{mean['sync_seconds']:.0f} s; DumbDiLoCo's mean curve "
-            + (f"reaches it at its step {got[1]} after {got[0]:.0f} s ({mean['ratio']:.0%})" if got else "never does")
+            + (
+                f"reaches it at its step {got[1]} after {got[0]:.0f} s ({mean['ratio']:.0%})"
+                if got
+                else "never does"
+            )
             + f"; per pair, within 75% on {sum(h['verdict'] == 'PASS' for h in record['heterogeneous'])} of "
             f"{mean['pairs']}",
-        ]  # fmt: skip
+        ]
     table = "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     print(table)

@@ -242,7 +242,7 @@ def main(argv=None) -> int:
             }
         )
     if not args.no_compile:
-        torch._dynamo.reset()
+        torch.compiler.reset()
     n_bytes = 4 * sum(p.numel() for p in model.parameters())
     bw = device_copy_bandwidth(device, min(1 << 30, 4 * n_bytes))
     outer = []

@@ -199,22 +199,20 @@ def phase_timers(worker: ProjectWorker) -> dict[str, float]:
     acc = {"averager.average_": 0.0, "meter.observe": 0.0, "meter.finish": 0.0, "outer_optimizer.step": 0.0}
     d = worker.diloco
 
-    def wrap(obj, attr, key):
-        fn = getattr(obj, attr)
-
-        def timed(*a, **k):
+    def timed(fn, key):
+        def run(*a, **k):
             t = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
                 acc[key] += time.perf_counter() - t
 
-        setattr(obj, attr, timed)
+        return run
 
-    wrap(d.averager, "average_", "averager.average_")
-    wrap(d.meter, "observe", "meter.observe")
-    wrap(d.meter, "finish", "meter.finish")
-    wrap(d.outer_optimizer, "step", "outer_optimizer.step")
+    d.averager.average_ = timed(d.averager.average_, "averager.average_")
+    d.meter.observe = timed(d.meter.observe, "meter.observe")
+    d.meter.finish = timed(d.meter.finish, "meter.finish")
+    d.outer_optimizer.step = timed(d.outer_optimizer.step, "outer_optimizer.step")
     return acc
 
 

@@ -64,7 +64,7 @@ def measure_dtype(dtype: str, bits: int, pseudo_grad: torch.Tensor, path: str, a
                 "floor s": floor,
                 "x floor": m["median"] / floor,
                 "copy GB/s": bw / bc.GB,
-            }  # fmt: skip
+            }
         )
     return rows
 

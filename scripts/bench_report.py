@@ -65,8 +65,10 @@ def section(r: dict) -> list[str]:
 
 
 def machine_lines(records: dict[str, dict]) -> list[str]:
-    machines = {json.dumps({k: v for k, v in r["machine"].items() if k != "load_average_1m"}, sort_keys=True)
-                for r in records.values()}  # fmt: skip
+    machines = {
+        json.dumps({k: v for k, v in r["machine"].items() if k != "load_average_1m"}, sort_keys=True)
+        for r in records.values()
+    }
     lines = []
     for m in machines:
         m = json.loads(m)

@@ -177,9 +177,15 @@ def master_starter(bytes_per_s: float, repo: Path, state_dir: Path, h: int, poll
 
     def start(cfg) -> None:
         settings = Settings(
-            role="master", node_id="master-1", repo_id=str(repo), inner_steps=h, poll_interval=poll,
-            state_dir=str(state_dir), publish_hf_config=False, shutdown_timeout=600.0,
-        )  # fmt: skip
+            role="master",
+            node_id="master-1",
+            repo_id=str(repo),
+            inner_steps=h,
+            poll_interval=poll,
+            state_dir=str(state_dir),
+            publish_hf_config=False,
+            shutdown_timeout=600.0,
+        )
         link = ThrottledTransport(DirectoryTransport(repo, keep_old_versions_s=60.0), bytes_per_s)
         master = DumbDiLoCo(build_model(cfg.model, seed=cfg.seed), settings, link)
         master.start()
@@ -204,11 +210,22 @@ def main(argv=None) -> int:
     args = bc.finish_args(p.parse_args(argv))
     h, rounds, bandwidths = args.inner_steps, args.rounds, args.bandwidths_mbit
     base = [
-        "model=micro", "data=sample", "data.seq_len=256", "train.batch_size=8", "train.micro_batch_size=8",
-        "train.eval_every=0", "train.checkpoint_every=0", "train.progress=false", "eval.tokens=512",
-        "optim.lr=3e-3", "optim.warmup_steps=10", "optim.total_steps=1000", "device=cpu", "wandb.mode=disabled",
+        "model=micro",
+        "data=sample",
+        "data.seq_len=256",
+        "train.batch_size=8",
+        "train.micro_batch_size=8",
+        "train.eval_every=0",
+        "train.checkpoint_every=0",
+        "train.progress=false",
+        "eval.tokens=512",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=10",
+        "optim.total_steps=1000",
+        "device=cpu",
+        "wandb.mode=disabled",
         "resume=never",
-    ]  # fmt: skip
+    ]
     modes = args.modes or MODES
     if args.tiny:
         h, rounds, bandwidths = 2, 1, [100]
@@ -238,18 +255,28 @@ def main(argv=None) -> int:
                 if mode.startswith("DiLoCo"):
                     dtype = DTYPES[mode.split()[1]]
                     over = [
-                        "distributed=diloco", f"distributed.inner_steps={h}", f"distributed.pseudo_grad_dtype={dtype}",
-                        "distributed.fp16_scaling=false", "distributed.cosine_sample_size=0",
-                    ]  # fmt: skip
+                        "distributed=diloco",
+                        f"distributed.inner_steps={h}",
+                        f"distributed.pseudo_grad_dtype={dtype}",
+                        "distributed.fp16_scaling=false",
+                        "distributed.cosine_sample_size=0",
+                    ]
                     fragments = 1
                     if "overlap" in mode:  # Streaming DiLoCo: 4 fragments, each overlapped with tau steps
                         fragments = min(4, h)
-                        over += [f"distributed.fragments={fragments}", f"distributed.overlap_steps={max(1, h // 10)}",
-                                 "distributed.fragment_alpha=0.5"]  # fmt: skip
+                        over += [
+                            f"distributed.fragments={fragments}",
+                            f"distributed.overlap_steps={max(1, h // 10)}",
+                            "distributed.fragment_alpha=0.5",
+                        ]
                     elif "eager" in mode:  # eager updates: each fragment's exchange overlaps a whole round
                         fragments = min(4, h)
-                        over += [f"distributed.fragments={fragments}", f"distributed.overlap_steps={h}",
-                                 "distributed.eager_updates=true", "distributed.fragment_alpha=0.0"]  # fmt: skip
+                        over += [
+                            f"distributed.fragments={fragments}",
+                            f"distributed.overlap_steps={h}",
+                            "distributed.eager_updates=true",
+                            "distributed.fragment_alpha=0.0",
+                        ]
                     summary, timed = run_trainer(
                         [*common, f"run_name={name}", *over],
                         collective=RingTimedCollective(bps, args.workers),
@@ -265,13 +292,19 @@ def main(argv=None) -> int:
                     repo, state = tmp / f"repo-{mbit:g}", tmp / f"state-{mbit:g}"
                     start_master, box = master_starter(bps, repo, state, h, poll=max(h * step_s / 4, 0.05))
                     over = [
-                        "distributed=dumb_diloco", "distributed.role=worker", "distributed.node_id=worker-1",
-                        f"distributed.repo_id={repo}", f"distributed.inner_steps={h}",
+                        "distributed=dumb_diloco",
+                        "distributed.role=worker",
+                        "distributed.node_id=worker-1",
+                        f"distributed.repo_id={repo}",
+                        f"distributed.inner_steps={h}",
                         f"distributed.poll_interval={max(h * step_s / 4, 0.05):.3f}",
-                        f"distributed.state_dir={tmp / 'worker-state'}", "distributed.startup_timeout=120",
-                        "distributed.shutdown_timeout=600", "distributed.publish_hf_config=false",
-                        "data.shard=1", "data.num_shards=2",
-                    ]  # fmt: skip
+                        f"distributed.state_dir={tmp / 'worker-state'}",
+                        "distributed.startup_timeout=120",
+                        "distributed.shutdown_timeout=600",
+                        "distributed.publish_hf_config=false",
+                        "data.shard=1",
+                        "data.num_shards=2",
+                    ]
                     try:
                         summary, timed = run_trainer(
                             [*common, f"run_name={name}", *over],
@@ -393,17 +426,30 @@ def plot_utilization(rows: list[dict], out: Path) -> str:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    styles = {"DiLoCo FP32": "o-", "DiLoCo FP16": "s-", "DiLoCo int4": "d-", "DiLoCo int4 P=4 overlap": "v-",
-              "DumbDiLoCo v2": "^-", "DiLoCo topk2": "x-", "DiLoCo int4 P=4 eager": "P-",
-              "DiLoCo topk2 P=4 eager": "*-"}  # fmt: skip
+    styles = {
+        "DiLoCo FP32": "o-",
+        "DiLoCo FP16": "s-",
+        "DiLoCo int4": "d-",
+        "DiLoCo int4 P=4 overlap": "v-",
+        "DumbDiLoCo v2": "^-",
+        "DiLoCo topk2": "x-",
+        "DiLoCo int4 P=4 eager": "P-",
+        "DiLoCo topk2 P=4 eager": "*-",
+    }
     for mode, style in styles.items():
         pts = sorted((r["Mbit/s"], r["utilization"], r["analytic"]) for r in rows if r["mode"] == mode)
         if not pts:
             continue
         (line,) = ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], style, label=f"{mode} (measured)")
         if pts[0][2] is not None:
-            ax.plot([p[0] for p in pts], [100 * p[2] for p in pts], "--", color=line.get_color(), alpha=0.6,
-                    label=f"{mode} (analytic)")  # fmt: skip
+            ax.plot(
+                [p[0] for p in pts],
+                [100 * p[2] for p in pts],
+                "--",
+                color=line.get_color(),
+                alpha=0.6,
+                label=f"{mode} (analytic)",
+            )
     ax.axhspan(90, 95, color="grey", alpha=0.15, label="OpenDiLoCo global run: 90-95%")
     ax.axhline(99, color="black", lw=0.8, ls=":", label="async target: 99%")
     ax.set_xscale("log")

@@ -9,7 +9,7 @@ A node delta of a model's shape (float32 and float16) goes through the project's
 
 Header-only reads (`read_header`) must not touch the payload: for the directory transport the
 bytes read by this process are counted from /proc/self/io (rchar); for the Hub transport (the real
-huggingface_hub client against the loopback Hub of tests/hub_server.py) from the server's own
+huggingface_hub client against the loopback Hub of src/diloco/testing/hub_server.py) from the server's own
 count of response bytes.
 
     python scripts/bench_wire.py                 # 150M delta (860 MB float32), ~2 minutes
@@ -155,11 +155,8 @@ def bench_dtype(dtype: torch.dtype, delta32: dict, tmp: Path, args) -> tuple[lis
 
 def hub_header_check(delta32: dict, tmp: Path) -> dict:
     """read_header through the real huggingface_hub client against the loopback Hub: response bytes."""
-    if str(bc.ROOT / "tests") not in sys.path:
-        sys.path.insert(0, str(bc.ROOT / "tests"))
-    from hub_server import HubServer
-
     from diloco.dumb_diloco.store.transport import HubTransport
+    from diloco.testing.hub_server import HubServer
 
     meta = tf.DeltaMeta(node_id="bench", local_step=500, base_outer_step=1).to_header()
     blob = tf.encode(delta32, meta)

@@ -19,8 +19,9 @@ import argparse
 import statistics
 from pathlib import Path
 
-import bench_common as bc
 from replicate import run_local
+
+from diloco.experiments import records
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, WARMUP = 1560, 100  # the family's budget: 52 outer rounds at H=30
@@ -54,7 +55,7 @@ def overrides(method: str, budget: float, seed: int, base_steps: int = STEPS) ->
 
 def final(runs: Path, method: str, budget: float, seed: int, base_steps: int) -> dict:
     steps = round(base_steps * budget)
-    s = bc.clean_summary(runs / run_name(method, budget, seed) / "summary.json", steps)
+    s = records.clean_summary(runs / run_name(method, budget, seed) / "summary.json", steps)
     return {k: s[k] for k in ("final_eval_loss", "tokens_seen", "wall_seconds", "git_commit", "parameters")}
 
 
@@ -143,13 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     c4 = verdict(points)
     text = table(points, c4, n)
     record = {
-        **bc.provenance(bc.command_line()),
+        **records.provenance(records.command_line()),
         "parameters": n,
         "seeds": list(SEEDS),
         "points": points,
         "c4": c4,
     }
-    bc.write_tuning_record(args.out, record, text)
+    records.write_tuning_record(args.out, record, text)
     plot(points, args.out / "gap_vs_tokens.png")
     return 0
 

@@ -99,8 +99,10 @@ def main() -> int:
     for line in problems:
         print(f"check_lock: {line}")
     if problems:
-        print(f"check_lock: {args.python} does not match {args.lock} ({len(problems)} differences); "
-              "`make setup` installs the lock, `make lock` regenerates it")  # fmt: skip
+        print(
+            f"check_lock: {args.python} does not match {args.lock} ({len(problems)} differences); "
+            "`make setup` installs the lock, `make lock` regenerates it"
+        )
         return 1
     print(f"check_lock: {args.python} matches {args.lock} ({len(have)} packages)")
     return 0

@@ -25,7 +25,7 @@ import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
-import bench_common as bc
+from diloco.experiments import records
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = "tiny-diloco-fp32"
@@ -115,7 +115,7 @@ DUMB = DUMB_FAMILIES["tiny-compress"][0]
 
 
 def read(run_dir: Path) -> dict:
-    s = bc.clean_summary(run_dir / "summary.json")
+    s = records.clean_summary(run_dir / "summary.json")
     errors = []
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
@@ -159,12 +159,20 @@ def judge(prefix: str, seeds: list[int], bars: dict = BARS, base_name: str = BAS
         if peak_bar is not None:
             verdicts["peak"] = "PASS" if peak >= peak_bar * 0.999 else "FAIL"
         rows[name] = {
-            "what": what, "ppl": ppl, "gap_of_means": gap,
-            "gap_per_seed": [r["final_eval_perplexity"] / b["final_eval_perplexity"] - 1 for r, b in zip(rs, base)],
-            "bytes_fewer": fewer, "bits_per_param": 32 / fewer, "peak_fewer": peak,
+            "what": what,
+            "ppl": ppl,
+            "gap_of_means": gap,
+            "gap_per_seed": [
+                r["final_eval_perplexity"] / b["final_eval_perplexity"] - 1 for r, b in zip(rs, base)
+            ],
+            "bytes_fewer": fewer,
+            "bits_per_param": 32 / fewer,
+            "peak_fewer": peak,
             "cast_rel_error": [r["cast_rel_error"] for r in rs],
-            "bars": {"perplexity": ppl_bar, "bytes": bytes_bar, "peak": peak_bar}, "verdicts": verdicts, "runs": rs,
-        }  # fmt: skip
+            "bars": {"perplexity": ppl_bar, "bytes": bytes_bar, "peak": peak_bar},
+            "verdicts": verdicts,
+            "runs": rs,
+        }
     return rows
 
 
@@ -207,16 +215,26 @@ def table(rows: dict, base_name: str = BASE) -> list[str]:
         cells = [f"`{name}`: {r['what']}", per, f"{r['ppl']['mean']:.2f} ± {r['ppl']['spread']:.2f}"]
         if name == base_name:
             b = r["runs"][0]
-            cells += ["-", "-", f"{b['comm/total_bytes'] / b['outer/rounds']:,.0f} B", "32",
-                      f"{b['comm/peak_bytes_per_sync']:,} B", "-", "-"]  # fmt: skip
+            cells += [
+                "-",
+                "-",
+                f"{b['comm/total_bytes'] / b['outer/rounds']:,.0f} B",
+                "32",
+                f"{b['comm/peak_bytes_per_sync']:,} B",
+                "-",
+                "-",
+            ]
         else:
             errs = [e for e in r["cast_rel_error"] if e is not None]
             cells += [
-                f"{r['gap_of_means']:+.1%}", ", ".join(f"{g:+.1%}" for g in r["gap_per_seed"]),
-                f"{r['bytes_fewer']:.2f}x", f"{r['bits_per_param']:.3g}", f"{r['peak_fewer']:.2f}x",
+                f"{r['gap_of_means']:+.1%}",
+                ", ".join(f"{g:+.1%}" for g in r["gap_per_seed"]),
+                f"{r['bytes_fewer']:.2f}x",
+                f"{r['bits_per_param']:.3g}",
+                f"{r['peak_fewer']:.2f}x",
                 f"{statistics.fmean(errs):.3f}" if errs else "-",
                 ", ".join(f"{k} {v}" for k, v in r["verdicts"].items()) or "-",
-            ]  # fmt: skip
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -235,7 +253,7 @@ def main() -> None:
         "command": f"python scripts/compression_acceptance.py --family {args.family} --runs {args.runs} --seeds "
         + " ".join(map(str, args.seeds))
         + (" --dumb" if args.dumb else ""),
-        **bc.head(),
+        **records.head(),
         "machine": f"{platform.node()} {platform.machine()}",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "configs": rows,
@@ -253,8 +271,16 @@ def main() -> None:
         ]
         for k in present:
             p, j = d[k]["ppl"], d["judged"].get(k)
-            last = [f"{j['gap_of_means']:+.1%}", f"{d['delta_bytes'][k]:,} B", f"{j['delta_fewer']:.2f}x",
-                    j["verdict"]] if j else ["-", f"{d['delta_bytes'][k]:,} B", "-", "-"]  # fmt: skip
+            last = (
+                [
+                    f"{j['gap_of_means']:+.1%}",
+                    f"{d['delta_bytes'][k]:,} B",
+                    f"{j['delta_fewer']:.2f}x",
+                    j["verdict"],
+                ]
+                if j
+                else ["-", f"{d['delta_bytes'][k]:,} B", "-", "-"]
+            )
             lines.append(
                 f"| `{names[k]}` ({k}) | {per[k]} | {p['mean']:.2f} ± {p['spread']:.2f} | "
                 + " | ".join(last)

@@ -56,20 +56,30 @@ from diloco.train import evaluate
 ROOT = Path(__file__).resolve().parents[1]
 H = 10
 REGIMES = {  # name: nodes, outer lr, outer momentum, modes
-    "tiny": (4, 0.5, 0.8, {  # mode: (install, delay after the round in steps (None: the node's next boundary), quorum)
-        "sync": ("translate", 0, True),
-        "replace@boundary": ("replace", None, True),
-        "translate@boundary": ("translate", None, True),
-        "translate@+5": ("translate", 5, True),
-        "translate@+3": ("translate", 3, True),
-    }),
-    "paper": (8, 0.7, 0.9, {  # quorum False: a round after each node's upload (each delta its own step)
-        "sync": ("translate", 0, True),
-        "spec@per-delta": ("replace", None, False),
-        "translate@+5,per-delta": ("translate", 5, False),
-        "translate@+5,quorum": ("translate", 5, True),
-    }),
-}  # fmt: skip
+    "tiny": (
+        4,
+        0.5,
+        0.8,
+        {  # mode: (install, delay after the round in steps (None: the node's next boundary), quorum)
+            "sync": ("translate", 0, True),
+            "replace@boundary": ("replace", None, True),
+            "translate@boundary": ("translate", None, True),
+            "translate@+5": ("translate", 5, True),
+            "translate@+3": ("translate", 3, True),
+        },
+    ),
+    "paper": (
+        8,
+        0.7,
+        0.9,
+        {  # quorum False: a round after each node's upload (each delta its own step)
+            "sync": ("translate", 0, True),
+            "spec@per-delta": ("replace", None, False),
+            "translate@+5,per-delta": ("translate", 5, False),
+            "translate@+5,quorum": ("translate", 5, True),
+        },
+    ),
+}
 NODES, OUTER_LR, OUTER_MU, MODES = REGIMES["tiny"]
 
 
@@ -80,19 +90,33 @@ def run(
     repo = DirectoryTransport(root / "repo")
     init = build_model(cfg.model, seed=seed)
     outer = OuterLoop(
-        repo, MasterState.from_model_state(init.state_dict()), node_id="master", outer_lr=OUTER_LR,
-        outer_momentum=OUTER_MU, poll_interval=1e9, state_dir=None, max_file_bytes=2**30,
+        repo,
+        MasterState.from_model_state(init.state_dict()),
+        node_id="master",
+        outer_lr=OUTER_LR,
+        outer_momentum=OUTER_MU,
+        poll_interval=1e9,
+        state_dir=None,
+        max_file_bytes=2**30,
         min_deltas_per_round=NODES if quorum else 0,
-    )  # fmt: skip
+    )
     outer.publish()
     nodes = []
     for i in range(NODES):
         model = build_model(cfg.model, seed=seed)
         s = Settings(
-            role="worker", node_id=f"w{i}", repo_id=str(root / "repo"), inner_steps=H, poll_interval=1e9,
-            async_delta_upload=False, async_global_poll=False, state_dir=str(root / "state"),
-            reset_inner_optimizer=False, install=install, install_when_staged=install == "translate" and delay is not None,
-        )  # fmt: skip
+            role="worker",
+            node_id=f"w{i}",
+            repo_id=str(root / "repo"),
+            inner_steps=H,
+            poll_interval=1e9,
+            async_delta_upload=False,
+            async_global_poll=False,
+            state_dir=str(root / "state"),
+            reset_inner_optimizer=False,
+            install=install,
+            install_when_staged=install == "translate" and delay is not None,
+        )
         coord = DumbDiLoCo(model, s, repo)
         coord.start()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
@@ -165,12 +189,24 @@ def main() -> None:
     record = {
         "command": f"python scripts/dumb_diloco_install_sim.py --steps {args.steps} --seeds {' '.join(map(str, args.seeds))}"
         + ("" if args.regime == "tiny" else f" --regime {args.regime}"),
-        "commit": commit, "dirty": dirty, "machine": f"{platform.node()} {platform.machine()}, {torch.get_num_threads()} thread",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": round(time.time() - t0),
-        "setup": {"regime": args.regime, "nodes": NODES, "H": H, "outer_lr": OUTER_LR, "outer_momentum": OUTER_MU,
-                  "steps": args.steps, "seeds": args.seeds, "model": "micro", "data": "sample (4 shards), held-out eval"},
+        "commit": commit,
+        "dirty": dirty,
+        "machine": f"{platform.node()} {platform.machine()}, {torch.get_num_threads()} thread",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "seconds": round(time.time() - t0),
+        "setup": {
+            "regime": args.regime,
+            "nodes": NODES,
+            "H": H,
+            "outer_lr": OUTER_LR,
+            "outer_momentum": OUTER_MU,
+            "steps": args.steps,
+            "seeds": args.seeds,
+            "model": "micro",
+            "data": "sample (4 shards), held-out eval",
+        },
         "results": {k: v | {"vs_sync": v["mean"] / sync - 1} for k, v in rows.items()},
-    }  # fmt: skip
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"install_sim_{args.steps}" + ("" if args.regime == "tiny" else f"_{args.regime}")

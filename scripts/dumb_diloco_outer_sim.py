@@ -39,10 +39,17 @@ def run(cfg, tokenizer, batches, outer_lr: float, outer_momentum: float, rounds:
     for i, node_id in enumerate(NODES):
         model = build_model(cfg.model, seed=cfg.seed)
         settings = Settings(
-            role="master" if i == 0 else "worker", node_id=node_id, repo_id=str(root / "repo"), inner_steps=H,
-            poll_interval=1e9, outer_lr=outer_lr, outer_momentum=outer_momentum, async_delta_upload=False,
-            async_global_poll=False, state_dir=str(root / "state"),
-        )  # fmt: skip
+            role="master" if i == 0 else "worker",
+            node_id=node_id,
+            repo_id=str(root / "repo"),
+            inner_steps=H,
+            poll_interval=1e9,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            async_delta_upload=False,
+            async_global_poll=False,
+            state_dir=str(root / "state"),
+        )
         coord = DumbDiLoCo(model, settings, repo, manual_rounds=i == 0)  # the master's rounds: by hand below
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
         sched = get_cosine_schedule_with_warmup(opt, 2, STEPS)

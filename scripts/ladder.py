@@ -23,10 +23,11 @@ import argparse
 import json
 from pathlib import Path
 
-import bench_common as bc
-from plan import compose_experiment, num_parameters
-from plan import unique_train_tokens as plan_unique_tokens
 from replicate import run_local
+
+from diloco.experiments import records
+from diloco.experiments.plan import compose_experiment, num_parameters
+from diloco.experiments.plan import unique_train_tokens as plan_unique_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = ["micro", "ladder_2_2m", "ladder_3_7m"]
@@ -49,7 +50,7 @@ def unique_train_tokens(size: str) -> int:
 def read_run(runs: Path, size: str, seed: int, method: str, extra: dict | None = None) -> dict:
     cfg = compose_experiment(METHODS[method], overrides(size, seed, (extra or {}).get(method, [])))
     path = run_dir(runs, size, seed) / cfg.run_name / "summary.json"
-    s = bc.clean_summary(path, cfg.train.max_steps)
+    s = records.clean_summary(path, cfg.train.max_steps)
     keys = ("final_eval_perplexity", "tokens_seen", "wall_seconds", "git_commit", "step")
     return {"path": str(path), **{k: s[k] for k in keys}}
 
@@ -112,7 +113,7 @@ def plot(rungs: list[dict], out: Path, label: str) -> None:
         yerr=[
             [100 * (r["gap_mean"] - min(r["gap_per_seed"])) for r in rungs],
             [100 * (max(r["gap_per_seed"]) - r["gap_mean"]) for r in rungs],
-        ],  # fmt: skip
+        ],
         marker="o",
         capsize=4,
         label=label + ", mean and seed range",
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     unique = unique_train_tokens(args.sizes[0])
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
-        **bc.provenance("python scripts/ladder.py --runs " + str(args.runs)),
+        **records.provenance("python scripts/ladder.py --runs " + str(args.runs)),
         "overrides": {m: [*OVERRIDES, *x] for m, x in extra.items()},
         "unique_train_tokens": unique,
         "epochs": rungs[0]["tokens_seen"] / unique,

@@ -32,13 +32,13 @@ import json
 import math
 from pathlib import Path
 
-import bench_common as bc
 import tune_law
 import yaml
 from ladder import unique_train_tokens
-from plan import compose_experiment, num_parameters
 from replicate import run_local
 
+from diloco.experiments import records
+from diloco.experiments.plan import compose_experiment, num_parameters
 from diloco.scaling_law import LossGapLaw, from_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +85,7 @@ def read(runs: Path, name: str) -> dict | None:
     path = runs / name / "summary.json"
     if not path.exists():
         return None
-    s = bc.clean_summary(path, tune_law.STEPS)
+    s = records.clean_summary(path, tune_law.STEPS)
     keys = ("final_eval_loss", "final_eval_perplexity", "tokens_seen", "wall_seconds", "git_commit")
     return {k: s[k] for k in keys}
 
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
-        **bc.provenance(f"python scripts/ladder_law.py --runs {args.runs}"),
+        **records.provenance(f"python scripts/ladder_law.py --runs {args.runs}"),
         "regime_overrides": tune_law.REGIME,
         "seeds": args.seeds,
         "rungs": rungs,

@@ -48,7 +48,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
-from plan import (
+
+from diloco.config import ConfigError, validate
+from diloco.experiments.plan import (
     PlanError,
     compose_experiment,
     compose_overrides,
@@ -57,8 +59,6 @@ from plan import (
     num_parameters,
     topology,
 )
-
-from diloco.config import ConfigError, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = {  # the order runs are started in

@@ -32,7 +32,8 @@ from pathlib import Path
 import matplotlib
 import yaml
 from omegaconf import OmegaConf
-from plan import unique_train_tokens
+
+from diloco.experiments.plan import unique_train_tokens
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -249,9 +250,11 @@ def data_regime(runs: list[Run]) -> str:
     """How much of the data the runs read, and how often: unique training tokens, tokens trained, epochs."""
     data = OmegaConf.create(runs[0].config.get("data", {}))
     trained = max(r.summary.get("tokens_seen", 0) for r in runs)
-    how = "documents packed into sequences" if data.get("packing") else (
-        f"one sequence per document, cut at {data.get('seq_len')} tokens"
-    )  # fmt: skip
+    how = (
+        "documents packed into sequences"
+        if data.get("packing")
+        else (f"one sequence per document, cut at {data.get('seq_len')} tokens")
+    )
     try:
         unique = unique_train_tokens(data)
     except Exception as e:  # streamed C4, or files not on this machine

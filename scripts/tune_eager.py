@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import bench_common as bc
 from ladder import unique_train_tokens
 from replicate import run_local
 from tune_law import STEPS, rows_of, run_name, table
+
+from diloco.experiments import records
 
 ROOT = Path(__file__).resolve().parents[1]
 EAGER, STREAM = "tiny_law/diloco_stream_p4_eager", "tiny_law/diloco_stream_p4"
@@ -76,15 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     outers = extended(rows_of(args.runs, grid(OUTER), args.seeds))
     rows = rows_of(args.runs, grid(outers), args.seeds)
     unique = unique_train_tokens("2m")
-    regime = bc.tuning_regime(rows, unique, f"{STEPS} steps ({STEPS // 30} outer rounds at H=30); ")
+    regime = records.tuning_regime(rows, unique, f"{STEPS} steps ({STEPS // 30} outer rounds at H=30); ")
     record = {
-        **bc.provenance(f"python scripts/tune_eager.py --runs {args.runs}"),
+        **records.provenance(f"python scripts/tune_eager.py --runs {args.runs}"),
         "regime_overrides": REGIME,
         "seeds": args.seeds,
         "unique_train_tokens": unique,
         "rows": rows,
     }
-    bc.write_tuning_record(args.out, record, regime + table(rows, args.seeds))
+    records.write_tuning_record(args.out, record, regime + table(rows, args.seeds))
     return 0
 
 

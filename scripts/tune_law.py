@@ -28,9 +28,10 @@ import json
 import math
 from pathlib import Path
 
-import bench_common as bc
 from ladder import unique_train_tokens
 from replicate import run_local
+
+from diloco.experiments import records
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 1560  # 52 outer rounds at H=30
@@ -97,7 +98,7 @@ def read(runs: Path, experiment: str, name: str) -> dict | None:
     path = runs / name / "summary.json"
     if not path.exists():
         return None
-    s = bc.clean_summary(path, STEPS)
+    s = records.clean_summary(path, STEPS)
     return {
         k: s[k]
         for k in ("final_eval_perplexity", "final_eval_loss", "tokens_seen", "wall_seconds", "git_commit")
@@ -207,9 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     rows += rows_of(args.runs, outer, args.seeds)
     unique = unique_train_tokens("2m")
     detail = f"{STEPS} steps (DiLoCo: {STEPS // 30} outer rounds at H=30); "
-    regime = bc.tuning_regime(rows, unique, detail)
+    regime = records.tuning_regime(rows, unique, detail)
     record = {
-        **bc.provenance(f"python scripts/tune_law.py --runs {args.runs} --stage {args.stage}"),
+        **records.provenance(f"python scripts/tune_law.py --runs {args.runs} --stage {args.stage}"),
         "regime_overrides": REGIME,
         "batch_overrides": BATCH,
         "seeds": args.seeds,
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         "diloco_best_inner_lr": lr,
         "rows": rows,
     }
-    bc.write_tuning_record(args.out, record, regime + table(rows, args.seeds))
+    records.write_tuning_record(args.out, record, regime + table(rows, args.seeds))
     return 0
 
 

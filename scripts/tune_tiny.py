@@ -21,10 +21,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import bench_common as bc
 from ladder import unique_train_tokens
-from plan import compose_experiment
 from replicate import run_local
+
+from diloco.experiments import records
+from diloco.experiments.plan import compose_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["data.packing=true", "data.eval_subset=tune", "launch.reference=null", "launch.family=tiny-tune"]
@@ -63,7 +64,7 @@ def read(runs: Path, experiment: str, name: str) -> dict | None:
     path = runs / f"{name}{master}" / "summary.json"
     if not path.exists():
         return None
-    s = bc.clean_summary(path, cfg.train.max_steps)
+    s = records.clean_summary(path, cfg.train.max_steps)
     return {k: s[k] for k in ("final_eval_perplexity", "tokens_seen", "wall_seconds", "git_commit")}
 
 
@@ -116,15 +117,17 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
     unique = unique_train_tokens("micro")
-    regime = bc.tuning_regime(rows, unique)
+    regime = records.tuning_regime(rows, unique)
     record = {
-        **bc.provenance(f"python scripts/tune_tiny.py --runs {args.runs} --experiments {' '.join(grid)}"),
+        **records.provenance(
+            f"python scripts/tune_tiny.py --runs {args.runs} --experiments {' '.join(grid)}"
+        ),
         "common_overrides": COMMON,
         "seeds": args.seeds,
         "unique_train_tokens": unique,
         "rows": rows,
     }
-    bc.write_tuning_record(args.out, record, regime + table(rows, args.seeds))
+    records.write_tuning_record(args.out, record, regime + table(rows, args.seeds))
     return 0
 
 

@@ -57,14 +57,15 @@ def no_network(monkeypatch):
 
 @_dd_pytest.fixture
 def hub_server(monkeypatch, tmp_path, no_network):
-    """A started loopback Hub (tests/hub_server.py); HF_ENDPOINT points at it.
+    """A started loopback Hub (src/diloco/testing/hub_server.py); HF_ENDPOINT points at it.
 
     HF_HUB_OFFLINE is removed rather than set: huggingface_hub's offline mode refuses every
     request, loopback included. HF_HOME and the token path move to tmp_path so no real
     credential or cache is used.
     """
     import huggingface_hub.constants as hf_constants
-    from hub_server import HubServer
+
+    from diloco.testing.hub_server import HubServer
 
     server = HubServer().start()
     monkeypatch.setenv("HF_ENDPOINT", server.url)

@@ -133,14 +133,14 @@ def run_ranks(target: str, nprocs: int, timeout: float = 300, per_node: int | No
 
 
 def _child(target: str, args_path: str, out_path: str) -> None:
-    import importlib
+    import pkgutil
 
     import torch
 
     torch.set_num_threads(1)
     module, function = target.split(":")
     sys.path[:0] = sorted({str(f.parent) for f in TESTS.rglob(f"{module}.py")})  # tests/<folder>/<module>.py
-    fn = getattr(importlib.import_module(module), function)
+    fn = pkgutil.resolve_name(target)
     result = fn(**pickle.loads(Path(args_path).read_bytes()))
     Path(out_path).write_bytes(pickle.dumps(result))
     import torch.distributed as dist

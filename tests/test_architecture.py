@@ -1,5 +1,5 @@
-"""Rules of design for src/ (issue 30), each a checker over a source root so a test can run it on a
-fake package too:
+"""Rules of design for src/ (issue 30), scripts/ and tests/ (issue 43), each a checker over a source
+root so a test can run it on a fake package too:
 
 - no import cycles, counting function-local and `if TYPE_CHECKING:` imports (a cycle the reader
   must follow is a cycle, whether or not it runs);
@@ -8,9 +8,11 @@ fake package too:
   shared modules, and its parent's entry points may compose it);
 - no module reads or writes another module's private names: `from x import _y` of a project module,
   and `obj._z` where obj is not `self`/`cls`, unless a class of the same module defines `_z` (one
-  module's own business); a library's private names count too;
+  module's own business); a library's private names count too, unless LIBRARY_PRIVATE_USES names the
+  expression with its reason;
 - no `getattr`/`setattr`/`delattr`/`hasattr` with a computed attribute name (the name a reader greps
-  for must be written out);
+  for must be written out), except inside a `__getattr__` that forwards to what it wraps;
+- scripts never import a test helper nor put tests/ on `sys.path`;
 - no `# fmt: skip` / `# fmt: off`: `ruff format` lays every line out;
 - functions of at most MAX_FUNCTION_LINES lines;
 - a module over WARN_MODULE_LINES lines is named as a warning, not a failure (one long idea is fine).
@@ -29,7 +31,9 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC, SCRIPTS, TESTS = ROOT / "src", ROOT / "scripts", ROOT / "tests"
+TREES = {"src": SRC, "scripts": SCRIPTS, "tests": TESTS}  # every rule runs on each of them
 MAX_FUNCTION_LINES = 80
 WARN_MODULE_LINES = 600
 DYNAMIC_ATTRIBUTE_CALLS = ("getattr", "setattr", "delattr", "hasattr")
@@ -184,6 +188,18 @@ def _own_private_names(tree: ast.Module) -> set[str]:
     return {n for n in own if _is_private(n)}
 
 
+# A library's private names that the project uses on purpose: the expression as written, and why.
+LIBRARY_PRIVATE_USES = {
+    "torch._foreach_add_": "torch's multi-tensor kernel (torch.optim's fast path): the benchmarks time it",
+    "torch._foreach_copy_": "torch's multi-tensor kernel: the boundary benchmark times it",
+    "os._exit": "documented: ends the process without cleanup (scripts/launch_ranks.py says why)",
+    "api._terminate_process_handler": "torchrun has no hook to quiet a routine stop (launch_ranks.py)",
+    "cls.started[-1]._pcontext": "torchrun's agent keeps its ranks' exit codes only here (launch_ranks.py)",
+    "t._base": "the only way to tell a view from its own storage (a test of the streaming buffers)",
+    "dist.distributed_c10d._get_default_store": "the process group's store (a test's rendezvous)",
+}
+
+
 def private_access(root: Path) -> list[str]:
     """`from x import _y` of a project module, and `obj._z` (obj not self/cls) where no class of the
     same module defines `_z`: another module's (or a library's) private name."""
@@ -205,6 +221,7 @@ def private_access(root: Path) -> list[str]:
                 and _is_private(node.attr)
                 and node.attr not in own
                 and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                and ast.unparse(node) not in LIBRARY_PRIVATE_USES
             ):
                 found.append(f"{_where(root, path, node)}: reads another's private {ast.unparse(node)}")
     return _in_order(found)
@@ -213,13 +230,23 @@ def private_access(root: Path) -> list[str]:
 # --------------------------------------------------------------------------- rule: attribute names written out
 
 
+def _delegations(tree: ast.Module) -> set[ast.AST]:
+    """The calls inside `__getattr__` methods: a proxy forwarding the name its caller wrote out."""
+    methods = (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "__getattr__")
+    return {c for m in methods for c in ast.walk(m) if isinstance(c, ast.Call)}
+
+
 def dynamic_attributes(root: Path) -> list[str]:
-    """getattr/setattr/delattr/hasattr whose attribute name is not a string literal."""
+    """getattr/setattr/delattr/hasattr whose attribute name is not a string literal, outside a
+    `__getattr__` that forwards to the object it wraps."""
     found = []
     for path in modules(root).values():
-        for node in ast.walk(_parse(path)):
+        tree = _parse(path)
+        forwarding = _delegations(tree)
+        for node in ast.walk(tree):
             if (
-                isinstance(node, ast.Call)
+                node not in forwarding
+                and isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Name)
                 and node.func.id in DYNAMIC_ATTRIBUTE_CALLS
                 and len(node.args) >= 2
@@ -268,31 +295,85 @@ def long_modules(root: Path, limit: int = WARN_MODULE_LINES) -> list[str]:
     ]
 
 
-# --------------------------------------------------------------------------- the rules on src/
+# --------------------------------------------------------------------------- the rules on every tree
+
+trees = pytest.mark.parametrize("tree", sorted(TREES))
 
 
-def test_no_import_cycles_in_src():
-    assert cycles(import_graph(SRC)) == []
+@trees
+def test_no_import_cycles(tree):
+    assert cycles(import_graph(TREES[tree])) == []
 
 
-def test_no_folder_of_src_imports_a_folder_that_imports_it():
-    assert cycles(folder_graph(SRC)) == []
+@trees
+def test_no_folder_imports_a_folder_that_imports_it(tree):
+    assert cycles(folder_graph(TREES[tree])) == []
 
 
-def test_no_module_in_src_touches_another_modules_private_names():
-    assert private_access(SRC) == []
+@trees
+def test_no_module_touches_another_modules_private_names(tree):
+    assert private_access(TREES[tree]) == []
 
 
-def test_no_attribute_name_in_src_is_computed():
-    assert dynamic_attributes(SRC) == []
+@trees
+def test_no_attribute_name_is_computed(tree):
+    assert dynamic_attributes(TREES[tree]) == []
 
 
-def test_no_fmt_skip_in_src():
-    assert format_skips(SRC) == []
+@trees
+def test_no_fmt_skip(tree):
+    assert format_skips(TREES[tree]) == []
 
 
-def test_functions_in_src_are_short():
-    assert long_functions(SRC) == []
+# Still too long (issue 43): benchmark mains that measure, tabulate and write in one function. The list
+# only shrinks: a function split to size must leave it, or this test fails.
+LONG_FUNCTIONS_LEFT = {
+    "scripts": {
+        "bench_aggregation.py: main",
+        "bench_boundary.py: main",
+        "bench_comm_volume.py: main",
+        "bench_gpu.py: main",
+        "bench_outer_step.py: main",
+        "bench_utilization.py: main",
+        "report.py: main",
+    }
+}
+
+
+@trees
+def test_functions_are_short(tree):
+    found = long_functions(TREES[tree])
+    named = {f"{f.split(':')[0]}: {f.split(': ')[1].split(' is ')[0]}" for f in found}
+    assert named == LONG_FUNCTIONS_LEFT.get(tree, set()), found  # none new, none split and still listed
+
+
+def test_scripts_never_import_tests():
+    """What a script needs from a test helper belongs in the library (diloco.testing holds the loopback Hub)."""
+    helpers = set(modules(TESTS))
+    found = [
+        f"{path.relative_to(SCRIPTS)}: {'imports ' + ', '.join(sorted(names)) if names else 'puts tests/ on sys.path'}"
+        for path in modules(SCRIPTS).values()
+        if (names := _top_level_imports(path) & helpers) or _adds_tests_to_path(path)
+    ]
+    assert found == []
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(_parse(path)):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def _adds_tests_to_path(path: Path) -> bool:
+    """A `sys.path` change whose argument names the tests folder."""
+    calls = (
+        n for n in ast.walk(_parse(path)) if isinstance(n, ast.Call) and "sys.path" in ast.unparse(n.func)
+    )
+    return any(isinstance(c, ast.Constant) and c.value == "tests" for n in calls for c in ast.walk(n))
 
 
 def test_long_modules_in_src_are_named():

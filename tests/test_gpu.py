@@ -73,16 +73,33 @@ def test_dumb_diloco_master_and_worker_on_the_device(tmp_path):
 
     repo = tmp_path / "repo"
     common = [
-        *SMALL, *GPU, "precision=bf16", "compile=false", f"out_dir={tmp_path}",
-        "distributed=dumb_diloco", f"distributed.repo_id={repo}", "distributed.inner_steps=4",
-        "distributed.poll_interval=0.2", "distributed.drain_timeout=120", "distributed.startup_timeout=120",
-        f"distributed.state_dir={tmp_path / 'state'}", "data.num_shards=2",
-    ]  # fmt: skip
+        *SMALL,
+        *GPU,
+        "precision=bf16",
+        "compile=false",
+        f"out_dir={tmp_path}",
+        "distributed=dumb_diloco",
+        f"distributed.repo_id={repo}",
+        "distributed.inner_steps=4",
+        "distributed.poll_interval=0.2",
+        "distributed.drain_timeout=120",
+        "distributed.startup_timeout=120",
+        f"distributed.state_dir={tmp_path / 'state'}",
+        "data.num_shards=2",
+    ]
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     procs = []
     for role, shard in (("worker", 1), ("master", 0)):
-        cmd = [sys.executable, "-m", "diloco.train", *common, f"distributed.role={role}",
-               f"distributed.node_id={role}-1", f"data.shard={shard}", f"run_name={role}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "diloco.train",
+            *common,
+            f"distributed.role={role}",
+            f"distributed.node_id={role}-1",
+            f"data.shard={shard}",
+            f"run_name={role}",
+        ]
         procs.append(
             subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         )
@@ -112,9 +129,19 @@ def test_ranks_share_one_gpu_through_gloo(tmp_path, mode, ranks):
     extra = ["distributed.inner_steps=4", "distributed.ranks_per_worker=1"] if mode == "diloco" else []
     run_trainer(
         ranks,
-        [*SMALL, *GPU, "precision=bf16", "compile=false", f"out_dir={tmp_path}", "run_name=shared",
-         f"distributed={mode}", *extra, f"launch.gpus_per_node={ranks}", f"launch.ranks_per_gpu={ranks}"],
-    )  # fmt: skip
+        [
+            *SMALL,
+            *GPU,
+            "precision=bf16",
+            "compile=false",
+            f"out_dir={tmp_path}",
+            "run_name=shared",
+            f"distributed={mode}",
+            *extra,
+            f"launch.gpus_per_node={ranks}",
+            f"launch.ranks_per_gpu={ranks}",
+        ],
+    )
     summary = _summary(tmp_path / "shared")
     assert summary["world_size"] == ranks and summary["step"] == STEPS
     assert summary["device"] == ("cuda:0" if DEVICE == "cuda" else "cpu")

@@ -95,7 +95,15 @@ def test_installed_package_runs_from_outside_the_repository(installed, tmp_path)
     env = _env(site)
     py = [sys.executable, "-m", "diloco.train", "--cfg", "job"]
 
-    r = _run([sys.executable, "-c", "import diloco, diloco.configs; print(diloco.__file__); print(diloco.configs.__file__)"], cwd, env)  # fmt: skip
+    r = _run(
+        [
+            sys.executable,
+            "-c",
+            "import diloco, diloco.configs; print(diloco.__file__); print(diloco.configs.__file__)",
+        ],
+        cwd,
+        env,
+    )
     assert r.returncode == 0, r.stderr
     for line in r.stdout.split():
         assert Path(line).is_relative_to(site), f"imported {line}, not the installed wheel under {site}"

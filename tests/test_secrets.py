@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 
 import pytest
-from hub_server import HubServer
 from wandb_files import complete_records
+
+from diloco.testing.hub_server import HubServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_network")]
 
@@ -129,10 +130,12 @@ def test_no_token_from_the_config_or_the_environment_is_in_any_file_a_run_writes
         master_env = node_env(tmp_path, HF_ENDPOINT=server.url)  # no HF_TOKEN: the config's token
         worker_env = node_env(tmp_path, HF_ENDPOINT=server.url, HF_TOKEN=ENV_TOKEN)
         nodes = [
-            ("master-1", *launch(tmp_path, "master", "master-1", 0, master_env, [
-                f"distributed.token={CONFIG_TOKEN}"])),
+            (
+                "master-1",
+                *launch(tmp_path, "master", "master-1", 0, master_env, [f"distributed.token={CONFIG_TOKEN}"]),
+            ),
             ("worker-1", *launch(tmp_path, "worker", "worker-1", 1, worker_env, [])),
-        ]  # fmt: skip
+        ]
         try:
             for name, proc, out in nodes:
                 proc.wait(timeout=DEADLINE)

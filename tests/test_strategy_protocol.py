@@ -40,7 +40,7 @@ LISTED = [  # the lifecycle points of strategy.py's docstring, sorted
 ]
 
 
-def parameters(function) -> list[tuple[str, inspect._ParameterKind]]:
+def parameters(function) -> list[tuple[str, object]]:  # (name, inspect.Parameter kind)
     return [(p.name, p.kind) for p in inspect.signature(function).parameters.values()]
 
 

@@ -53,12 +53,12 @@ def save(run_dir: Path, step: int, rank: int, state: dict, meta: dict, barrier, 
     barrier()
     if rank == 0:
         write_atomic(d / "meta.json", json.dumps({"step": step, **meta}, indent=2) + "\n")
-        _prune(Path(run_dir) / "checkpoints", keep)
+        prune(Path(run_dir) / "checkpoints", keep)
     barrier()
     return d
 
 
-def _prune(root: Path, keep: int) -> None:
+def prune(root: Path, keep: int) -> None:
     complete = sorted(p for p in root.glob("step_*") if (p / "meta.json").exists())
     for old in complete[: max(0, len(complete) - keep)]:
         shutil.rmtree(old, ignore_errors=True)

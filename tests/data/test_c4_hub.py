@@ -1,4 +1,4 @@
-"""`data=c4` end to end against a loopback Hub (tests/hub_server.py) serving a small `allenai/c4`.
+"""`data=c4` end to end against a loopback Hub (src/diloco/testing/hub_server.py) serving a small `allenai/c4`.
 
 The repository has C4's layout and format: a README whose `configs` name the `en` config's files,
 `en/c4-train.0000N-of-00004.json.gz` and `en/c4-validation.0000N-of-00002.json.gz`, compact JSON lines
@@ -38,7 +38,8 @@ from urllib.parse import urlsplit
 
 import pytest
 import torch
-from hub_server import HubServer
+
+from diloco.testing.hub_server import HubServer
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "src" / "diloco" / "assets" / "sample"

@@ -1,4 +1,4 @@
-"""Checks of the bundled offline C4-format sample and its tokenizer (built by scripts/build_sample.py)."""
+"""Checks of the bundled offline C4-format sample and its tokenizer (built by src/diloco/assets/sample/build_sample.py)."""
 
 from __future__ import annotations
 

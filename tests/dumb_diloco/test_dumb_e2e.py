@@ -198,7 +198,7 @@ def test_master_and_two_workers_over_a_shared_directory(tmp_path, mode):
 
 @pytest.mark.parametrize("mode", ["v1", "v2"])
 def test_master_and_two_workers_over_the_hub(tmp_path, mode):
-    from hub_server import HubServer
+    from diloco.testing.hub_server import HubServer
 
     with HubServer(token=TOKEN) as server:  # refuses any request without HF_TOKEN's value
         env = _env(HF_ENDPOINT=server.url, HF_TOKEN=TOKEN, HF_HOME=str(tmp_path / "hf_home"))

@@ -141,7 +141,7 @@ def proc_node(
 
     torch.manual_seed(seed)
     # a restarted master opens the existing repository (the loopback Hub answers create_repo on an existing
-    # repository without the "url" the client wants: a gap of tests/hub_server.py, not of the transport)
+    # repository without the "url" the client wants: a gap of src/diloco/testing/hub_server.py, not of the transport)
     transport = _transport(repo, create=role == "master" and first_step == 0)
     if fail_every:
         transport = Flaky(transport, fail_every)
@@ -387,7 +387,7 @@ def test_master_killed_mid_run_and_restarted_continues_exactly(tmp_path, kind):
 def _repo(tmp_path, kind):
     """(loopback Hub server or None, the repo argument of the processes)."""
     if kind == "hub":
-        from hub_server import HubServer
+        from diloco.testing.hub_server import HubServer
 
         server = HubServer(token=TOKEN).start()
         return server, f"{server.url}|org/run"

@@ -54,7 +54,7 @@ def test_the_master_keeps_aggregating_until_every_nodes_final_delta_is_applied(t
 
     def run_once_then_the_workers_last_delta(*args, **kwargs):
         result = run_once(*args, **kwargs)
-        if coord.outer._draining and not arrived:  # after the master's own end: the old one stopped here
+        if coord.outer.draining and not arrived:  # after the master's own end: the old one stopped here
             arrived.append(put_delta(repo, "w", 5, g(2.0)))
             marker(repo, "w", 5, arrived[0])
         return result

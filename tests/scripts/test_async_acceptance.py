@@ -40,8 +40,12 @@ def pair(tmp, sync_commit="abc"):
         {"seconds": 0.5, "steps": 400, "steps_over": 4},
     )
     # the master starts 10 s after the first worker: its times count from the worker's start
-    run(tmp / "dumb-node-0", 10, [(60, 200, 75.0), (110, 300, 68.5), (130, 350, 67.9), (150, 400, 67.0)],
-        emulated={"seconds": 0.25, "steps": 400, "steps_over": 0})  # fmt: skip
+    run(
+        tmp / "dumb-node-0",
+        10,
+        [(60, 200, 75.0), (110, 300, 68.5), (130, 350, 67.9), (150, 400, 67.0)],
+        emulated={"seconds": 0.25, "steps": 400, "steps_over": 0},
+    )
     run(tmp / "dumb-node-1", 0, [], emulated={"seconds": 0.5, "steps": 200, "steps_over": 0})
     (tmp / "dumb-node-0-state").mkdir()  # the master's state directory is not a run
     return f"{tmp / 'sync'},{tmp / 'dumb'}"

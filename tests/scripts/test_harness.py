@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from check import main as check_main  # noqa: E402
-from plan import compose_experiment, experiments, topology, volume  # noqa: E402
 
+from diloco.experiments.plan import compose_experiment, experiments, topology, volume  # noqa: E402
 from diloco.replication import check  # noqa: E402
 
 

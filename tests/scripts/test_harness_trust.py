@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import check as check_script  # noqa: E402
 import replicate  # noqa: E402
 import report as report_script  # noqa: E402
-from plan import compose_overrides, num_parameters  # noqa: E402
 
+from diloco.experiments.plan import compose_overrides, num_parameters  # noqa: E402
 from diloco.replication import check, load_runs  # noqa: E402
 
 

@@ -4,7 +4,7 @@
         --role master|worker --node-id node-<i> --repo-id <org/name | /shared/dir> --shard <i> -- <overrides>
 
 three of them (a master and two workers, started workers first) against the loopback Hub
-(tests/hub_server.py, the real huggingface_hub client through HF_ENDPOINT, HF_TOKEN checked by the
+(src/diloco/testing/hub_server.py, the real huggingface_hub client through HF_ENDPOINT, HF_TOKEN checked by the
 server) and against a shared directory. The overrides after `--` make the run a few dozen steps of the
 micro model on 3 nodes; everything else (the run directories, the per-node log, the data shards, the
 environment) is the launcher's.
@@ -194,7 +194,7 @@ def assert_token_written_nowhere(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(600)
 def test_readme_commands_over_the_loopback_hub(tmp_path):
-    from hub_server import HubServer
+    from diloco.testing.hub_server import HubServer
 
     with HubServer(token=TOKEN) as server:  # refuses any request without HF_TOKEN's value
         seconds = launch_nodes(tmp_path, "launch-org/dumb-tiny", _env(tmp_path, HF_ENDPOINT=server.url))

@@ -16,7 +16,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import ladder_law  # noqa: E402
 import tune_law  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-from plan import compose_experiment, num_parameters  # noqa: E402
+
+from diloco.experiments.plan import compose_experiment, num_parameters  # noqa: E402
 
 
 def summary(runs: Path, name: str, loss: float, commit: str = "abc123") -> None:

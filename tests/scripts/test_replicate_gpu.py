@@ -17,9 +17,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from plan import compose_experiment, topology  # noqa: E402
 from replicate import CPU_SMOKE, FAMILIES  # noqa: E402
 
+from diloco.experiments.plan import compose_experiment, topology  # noqa: E402
 from diloco.replication import REFERENCE  # noqa: E402
 
 

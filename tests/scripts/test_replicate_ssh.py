@@ -159,7 +159,8 @@ def test_a_family_of_two_runs_over_ssh_on_two_nodes(tmp_path, rendezvous):
 
 def test_the_nodes_commands_of_a_dumb_diloco_run_and_the_hosts_file(tmp_path, monkeypatch):
     import replicate
-    from plan import PlanError
+
+    from diloco.experiments.plan import PlanError
 
     hosts = tmp_path / "nodes.txt"
     hosts.write_text("# GPU nodes, node 0 first\n gpu-a  # the master\n\ngpu-b\ngpu-c\ngpu-d\n")

@@ -25,10 +25,21 @@ def test_ddp_under_torchrun_counts_bytes_and_keeps_ranks_identical(tmp_path):
     # --standalone: torchrun's agent binds its rendezvous store to port 0 and keeps it, and the ranks join it
     # as clients, so no port is picked, released and bound again (a race with other processes under load)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "diloco.train", *SMALL, "distributed=ddp", f"train.max_steps={steps}", "train.micro_batch_size=1",
-        f"out_dir={tmp_path}", "run_name=ddp",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "diloco.train",
+        *SMALL,
+        "distributed=ddp",
+        f"train.max_steps={steps}",
+        "train.micro_batch_size=1",
+        f"out_dir={tmp_path}",
+        "run_name=ddp",
+    ]
     done = subprocess.run(
         cmd, cwd=ROOT, env={**os.environ, **QUIET_ENV}, capture_output=True, text=True, timeout=300
     )

@@ -15,10 +15,18 @@ from diloco.config import ConfigError
 from diloco.diloco import DiLoCo, make_buckets
 
 HYPER = dict(
-    inner_steps=2, outer_lr=0.7, outer_momentum=0.9, nesterov=True, pseudo_grad_dtype="float32",
-    fp16_scaling=True, global_copy_device="cpu", reset_inner_optimizer=False, bucket_size_mb=128,
-    cosine_sample_size=0, cosine_sample_seed=0,
-)  # fmt: skip
+    inner_steps=2,
+    outer_lr=0.7,
+    outer_momentum=0.9,
+    nesterov=True,
+    pseudo_grad_dtype="float32",
+    fp16_scaling=True,
+    global_copy_device="cpu",
+    reset_inner_optimizer=False,
+    bucket_size_mb=128,
+    cosine_sample_size=0,
+    cosine_sample_seed=0,
+)
 
 
 class TinyModel(torch.nn.Module):
@@ -198,8 +206,17 @@ def test_diloco_run_logs_outer_metrics_and_summary(tmp_path):
     run = train(tmp_path, "train.max_steps=4", *DILOCO, "distributed.inner_steps=2", name="m")
     outer = [r for r in read_metrics(run) if "outer/round" in r]
     assert [r["step"] for r in outer] == [2, 4]
-    for key in ("outer_lr", "num_peers", "outer/pseudo_grad_norm", "comm/bytes", "comm/seconds",
-                "outer/seconds", "outer/inner_seconds", "outer/compute_utilization", "comm/total_bytes"):  # fmt: skip
+    for key in (
+        "outer_lr",
+        "num_peers",
+        "outer/pseudo_grad_norm",
+        "comm/bytes",
+        "comm/seconds",
+        "outer/seconds",
+        "outer/inner_seconds",
+        "outer/compute_utilization",
+        "comm/total_bytes",
+    ):
         assert key in outer[0], key
     assert outer[0]["outer_lr"] == 0.7 and outer[0]["num_peers"] == 1 and outer[0]["comm/bytes"] == 0
     assert 0 < outer[0]["outer/compute_utilization"] <= 1

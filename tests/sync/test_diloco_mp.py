@@ -20,9 +20,19 @@ from diloco.config import check_distributed
 from diloco.diloco import DiLoCo
 
 STEPS, H, BATCH = 6, 3, 8  # 2 outer rounds; BATCH rows per worker per step
-HYPER_KEYS = ("inner_steps", "outer_lr", "outer_momentum", "nesterov", "pseudo_grad_dtype", "fp16_scaling",
-              "global_copy_device", "reset_inner_optimizer", "bucket_size_mb", "cosine_sample_size",
-              "cosine_sample_seed")  # fmt: skip
+HYPER_KEYS = (
+    "inner_steps",
+    "outer_lr",
+    "outer_momentum",
+    "nesterov",
+    "pseudo_grad_dtype",
+    "fp16_scaling",
+    "global_copy_device",
+    "reset_inner_optimizer",
+    "bucket_size_mb",
+    "cosine_sample_size",
+    "cosine_sample_seed",
+)
 
 
 class TinyModel(torch.nn.Module):
@@ -108,8 +118,13 @@ def diloco_runs(ctx, cfg, dtypes: list[str], micro: int, check_sync: bool = Fals
         records = train_tiny(
             algo, model, opt, ctx.worker_id, part, parts, micro, check if check_sync else None
         )
-        out[dtype] = {"weights": flat(model.parameters()), "records": records, "in_sync": in_sync,
-                      "buckets": len(algo.buckets), "numel": sum(p.numel() for p in model.parameters())}  # fmt: skip
+        out[dtype] = {
+            "weights": flat(model.parameters()),
+            "records": records,
+            "in_sync": in_sync,
+            "buckets": len(algo.buckets),
+            "numel": sum(p.numel() for p in model.parameters()),
+        }
     return out
 
 
@@ -243,9 +258,13 @@ def two_rank_job(dtypes: list[str], collective_timeout: float) -> dict:
 def two_ranks():
     """One 2-process gloo job runs every 2-rank scenario; the tests below read its results."""
     return run_ranks(
-        "test_diloco_mp:two_rank_job", 2, per_node=1, timeout=300, dtypes=DTYPES,
+        "test_diloco_mp:two_rank_job",
+        2,
+        per_node=1,
+        timeout=300,
+        dtypes=DTYPES,
         collective_timeout=COLLECTIVE_TIMEOUT,
-    )  # fmt: skip
+    )
 
 
 DTYPES = ["float32", "float16", "bfloat16", "int8", "int4"]  # int8/int4: gloo all-to-all + all-gather

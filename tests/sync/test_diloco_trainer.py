@@ -74,8 +74,17 @@ def test_killed_rank_makes_the_other_fail_with_a_readable_error(tmp_path):
     # A dead peer's closed connection fails rank 0's next collective at once; only a rank that waited
     # for the collective timeout instead would take this long, however loaded the machine.
     timeout = 60
-    cmd = [sys.executable, "-m", "diloco.train", *DILOCO, f"out_dir={tmp_path}", "run_name=kill",
-           "train.max_steps=10000", "optim.total_steps=10000", f"distributed.timeout_seconds={timeout}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "diloco.train",
+        *DILOCO,
+        f"out_dir={tmp_path}",
+        "run_name=kill",
+        "train.max_steps=10000",
+        "optim.total_steps=10000",
+        f"distributed.timeout_seconds={timeout}",
+    ]
     procs = start([cmd, cmd], per_node=1)
     metrics = tmp_path / "kill" / "metrics.jsonl"
     deadline = time.monotonic() + 300

@@ -91,10 +91,20 @@ def _encode_both(monkeypatch, isa, y0, x, k, decay):
 @pytest.mark.parametrize("isa", list(quant_kernel.ISAS))
 @pytest.mark.parametrize(
     "n,chunk,k,decay",
-    [(70_001, 4096, 64, 1.0), (9000, 4096, 64, 0.95), (50, 16, 5, 1.0), (7, 4096, 64, 1.0),
-     (3000, 1000, 250, 0.9), (500, 100, 100, 1.0), (5000, 4096, 1, 1.0), (10_000, 520, 33, 1.0),
-     (2000, 300, 10, 1.0), (5000, 511, 8, 1.0), (3000, 300, 200, 1.0)],
-)  # fmt: skip
+    [
+        (70_001, 4096, 64, 1.0),
+        (9000, 4096, 64, 0.95),
+        (50, 16, 5, 1.0),
+        (7, 4096, 64, 1.0),
+        (3000, 1000, 250, 0.9),
+        (500, 100, 100, 1.0),
+        (5000, 4096, 1, 1.0),
+        (10_000, 520, 33, 1.0),
+        (2000, 300, 10, 1.0),
+        (5000, 511, 8, 1.0),
+        (3000, 300, 200, 1.0),
+    ],
+)
 def test_the_cpu_kernel_encodes_the_same_bits_as_the_torch_ops(monkeypatch, isa, n, chunk, k, decay):
     """Payload and carry bit for bit, the float64 statistics to round-off. Covers ties (zeros, a repeated
     value: the lower index wins on both paths), all-zero chunks, a tail chunk, a bucket smaller than k,

@@ -94,7 +94,7 @@ def test_pending_deltas_hold_one_sum_however_many_wait(tmp_path):
         assert loop.run_once().applied == [] and loop.pending == i + 1
         held.append(held_tensor_bytes(loop, skip=(MasterState, DirectoryTransport)))
     assert held == [4 * N] * 4  # one float32 sum, however many deltas are pending
-    assert all(not isinstance(c, tuple) for c in loop._pending.values())  # identities only
+    assert all(not isinstance(c, tuple) for c in loop.waiting)  # identities only
 
 
 def test_outer_loop_equal_weight_round_is_the_reference_bit_for_bit_and_restart_re_reads_pending(tmp_path):
@@ -211,10 +211,10 @@ def test_running_sum_of_file_views_adds_each_delta_in_one_operation_bit_for_bit(
     acc = RunningSum()
     for i, v in enumerate(views):
         acc.add(v if i != 3 else ds[3])  # the 4th: separate tensors, added tensor by tensor
-        assert acc._flat is not None
+        assert acc.packed
     got, want = acc.mean(), average(ds)
     assert all(torch.equal(got[k], want[k]) for k in SHAPES)
-    assert acc._flat is None and acc.total == {}
+    assert not acc.packed and acc.total == {}
     raw, by_tensor = [1.0, 1 / 3, 0.5, 1.0, 1 / 4, 1 / 2], RunningSum()
     for v, d, w in zip(views, ds, raw):
         acc.add(v, w)
@@ -226,7 +226,7 @@ def test_running_sum_of_file_views_adds_each_delta_in_one_operation_bit_for_bit(
     first.add(ds[0])  # a first delta of separate tensors: every later one is added tensor by tensor
     for v in views[1:]:
         first.add(v)
-    assert first._flat is None
+    assert not first.packed
     got = first.mean()
     assert all(torch.equal(got[k], average(ds)[k]) for k in SHAPES)
 

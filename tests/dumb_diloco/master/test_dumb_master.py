@@ -285,7 +285,7 @@ def test_outer_thread_survives_errors_and_never_touches_the_live_model(tmp_path)
     assert coord.on_step(3).installed and torch.equal(model.w.detach(), notified)
     repo.hold_revisions.set()
     coord.close()
-    assert not coord.outer._thread.is_alive()
+    assert not coord.outer.running
 
 
 def test_collaborators_is_an_allowlist(tmp_path, caplog):
@@ -469,7 +469,7 @@ def test_replacement_master_continues_exactly_from_the_repository(tmp_path):
     ]
     # exactly what the first master would have done with w2@3 (weights and momentum carried over)
     ref, _ = make_loop(tmp_path, before, publish_state=False)
-    ref._pending.clear()
+    assert ref.pending == 0
     for e in before.ledger.entries():
         assert e.status == "applied"
     ref.run_once()
@@ -499,15 +499,23 @@ def test_processed_deltas_beyond_keep_deltas_are_deleted_in_the_publication(tmp_
     assert len(loop.state.ledger) == 8  # the ledger keeps every collected delta
 
 
+class DeletedFirst(DirectoryTransport):
+    """A repository where someone else deletes what a write would delete, a moment before the write."""
+
+    def write(self, files, delete=(), message="", parent_revision=None):
+        if delete:
+            super().write({}, delete, message="someone else")
+        return super().write(files, delete, message, parent_revision)
+
+
 def test_gc_never_blocks_a_publication(tmp_path):
-    repo = DirectoryTransport(tmp_path / "repo")
+    repo = DeletedFirst(tmp_path / "repo")
     loop, _ = make_loop(repo, keep_deltas=1)
     put_delta(repo, "a", 3, g(0.1))
     loop.run_once()
     put_delta(repo, "a", 6, g(0.2))
-    repo.delete([delta_path("a", 3)])  # someone else deleted the delta the master will collect
-    loop._processed_paths[delta_path("a", 3)] = ("a", 3)
-    assert loop.run_once().published
+    assert loop.run_once().published  # its GC of a@3 found it gone: published without the deletion
+    assert loop.published_step == 2 and {f.path for f in repo.list("nodes")} == {delta_path("a", 6)}
 
 
 def test_second_master_refuses_while_the_lease_is_fresh_and_takes_over_after(tmp_path, caplog):
@@ -550,7 +558,7 @@ def test_a_master_whose_lease_was_taken_stops_publishing(tmp_path):
     # a comes back within b's lease (by a's clock: on a loaded machine real time may already be past b's
     # 0.3 s, and b's heartbeats are a thread's); it sees b's fresh lease and stands down
     a.outer.wall_clock = lambda: lease["heartbeat"]
-    a.outer._last_lease_write = -1e9
+    a.outer.cadence.last_lease = -1e9
     a.outer.heartbeat()
     assert "m2" in a.outer.fenced and not a.outer.publish()
     b.close()
@@ -585,7 +593,7 @@ def test_a_long_round_checks_the_lease_before_publishing(tmp_path):
     repo.write(
         {LEASE_PATH: json.dumps({"master": "m2", "heartbeat": time.time(), "lease_seconds": 60}).encode()}
     )
-    loop._last_lease_write -= 31
+    loop.cadence.last_lease -= 31
     put_delta(repo, "a", 3, g(1.0))
     assert not loop.run_once().published and "m2" in loop.fenced
     assert json.loads(repo.read(GLOBAL_STEP_PATH))["outer_step"] == 0  # nothing overwritten

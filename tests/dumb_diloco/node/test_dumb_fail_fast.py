@@ -20,7 +20,7 @@ TOKEN = "hf_FailFastTestToken0123456789"
 
 
 def test_a_refused_commit_is_not_retried(tmp_path):
-    from hub_server import HubServer
+    from diloco.testing.hub_server import HubServer
 
     with HubServer(token=TOKEN) as server:
         hub = HubTransport("org/run", token=TOKEN, endpoint=server.url, sleep=lambda s: None)

@@ -152,15 +152,36 @@ def _torchrun(role: str, node_id: str, shard: int, repo_id: str, tmp_path: Path,
     from trainer_utils import SMALL
 
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "diloco.train", *SMALL, "train.max_steps=20", "train.log_every=5", "eval.tokens=1024",
-        "distributed=dumb_diloco", "distributed.inner_steps=5", "distributed.poll_interval=0.2",
-        "distributed.outer_momentum=0.3", "distributed.min_deltas_per_round=2",
-        "distributed.startup_timeout=240", "distributed.shutdown_timeout=120", "distributed.drain_timeout=240",
-        f"distributed.role={role}", f"distributed.node_id={node_id}", f"distributed.repo_id={repo_id}",
-        f"distributed.state_dir={tmp_path / 'state'}", f"data.shard={shard}", "data.num_shards=2",
-        f"out_dir={tmp_path / 'runs'}", f"run_name={node_id}", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "diloco.train",
+        *SMALL,
+        "train.max_steps=20",
+        "train.log_every=5",
+        "eval.tokens=1024",
+        "distributed=dumb_diloco",
+        "distributed.inner_steps=5",
+        "distributed.poll_interval=0.2",
+        "distributed.outer_momentum=0.3",
+        "distributed.min_deltas_per_round=2",
+        "distributed.startup_timeout=240",
+        "distributed.shutdown_timeout=120",
+        "distributed.drain_timeout=240",
+        f"distributed.role={role}",
+        f"distributed.node_id={node_id}",
+        f"distributed.repo_id={repo_id}",
+        f"distributed.state_dir={tmp_path / 'state'}",
+        f"data.shard={shard}",
+        "data.num_shards=2",
+        f"out_dir={tmp_path / 'runs'}",
+        f"run_name={node_id}",
+        *extra,
+    ]
     log = open(tmp_path / f"{node_id}.out", "w")  # noqa: SIM115 - closed by the caller's wait
     env = {**env, **QUIET_ENV}
     if "HF_ENDPOINT" in env:  # the loopback Hub is the one place this test reaches
@@ -184,7 +205,7 @@ def test_a_master_node_and_a_worker_node_of_two_ranks_each(tmp_path, kind):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
     server = None
     if kind == "hub":
-        from hub_server import HubServer
+        from diloco.testing.hub_server import HubServer
 
         server = HubServer(token=token).start()
         env |= {"HF_ENDPOINT": server.url, "HF_TOKEN": token, "HF_HOME": str(tmp_path / "hf_home")}
@@ -320,7 +341,7 @@ def ranks_that_disagree(repo: str, state_dir: str) -> str:
         with torch.no_grad():
             model.fc1.bias.add_(1e-3)
     try:
-        strategy._check_same_weights("at the end")
+        strategy.check_same_weights("at the end")
     except DistributedError as err:
         return str(err)
     finally:

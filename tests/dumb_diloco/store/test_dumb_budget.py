@@ -23,7 +23,7 @@ from diloco.dumb_diloco.store.transport import DirectoryTransport
 from diloco.dumb_diloco.wire.repo_paths import GLOBAL_LEDGER_PATH, LEASE_PATH
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
-from plan import PlanError, check_run, commit_budget_line, compose_experiment  # noqa: E402
+from diloco.experiments.plan import PlanError, check_run, commit_budget_line, compose_experiment  # noqa: E402
 
 PAPER = ["150m/dumb_diloco_8n_h500", "1b/dumb_diloco_4n_h125"]
 
@@ -119,10 +119,13 @@ def test_with_a_lease_the_ledger_waits_for_the_heartbeat_instead_of_a_commit_of_
     loop, _ = make_loop(repo, momentum=0.0, lease_seconds=300)
     assert loop.publish()  # global, ledger and lease in one write
     writes = repo.count("write")
-    loop._ledger_dirty, loop._last_ledger_write = True, loop._last_ledger_write - 120  # rejections, 2 min on
+    loop.cadence.ledger_dirty, loop.cadence.last_ledger = (
+        True,
+        loop.cadence.last_ledger - 120,
+    )  # rejections, 2 min on
     loop.heartbeat()  # the lease is fresh: the old master wrote the ledger alone here, once a minute
-    assert repo.count("write") == writes and loop._ledger_dirty
-    loop._last_lease_write -= 120  # the lease is due (after 100 s): one write holds both
+    assert repo.count("write") == writes and loop.cadence.ledger_dirty
+    loop.cadence.last_lease -= 120  # the lease is due (after 100 s): one write holds both
     loop.heartbeat()
-    assert repo.count("write") == writes + 1 and not loop._ledger_dirty
+    assert repo.count("write") == writes + 1 and not loop.cadence.ledger_dirty
     assert repo.calls[-1][1] == ",".join([LEASE_PATH, GLOBAL_LEDGER_PATH])

@@ -2,7 +2,7 @@
 (a worker's wait for the first global, the master's repository creation and reads) is bounded as a
 whole by startup_timeout, retries included (issue 14, finding 5).
 
-In-process tests run HubTransport against the loopback Hub (tests/hub_server.py) on a virtual clock
+In-process tests run HubTransport against the loopback Hub (src/diloco/testing/hub_server.py) on a virtual clock
 that only the recorded `sleep` moves, so nothing depends on the machine's speed. Process tests start
 `python -m diloco.train` against a loopback Hub that answers 503 to everything.
 """
@@ -92,7 +92,7 @@ def test_request_timeouts_are_clipped_to_the_time_left(hub_server, monkeypatch):
     hub = _hub(t, create=True, timeout_s=60.0)
     hub.write({"a.bin": b"payload"})
     seen: list[tuple[str, float]] = []
-    repo_info, session = hub._api.repo_info, huggingface_hub.utils.get_session()
+    repo_info, session = hub.api.repo_info, huggingface_hub.utils.get_session()
 
     def recording_repo_info(*args, timeout, **kw):
         seen.append(("repo_info", timeout))
@@ -103,7 +103,7 @@ def test_request_timeouts_are_clipped_to_the_time_left(hub_server, monkeypatch):
             seen.append(("GET", timeout))
             return session.stream(*args, timeout=timeout, **kw)
 
-    monkeypatch.setattr(hub._api, "repo_info", recording_repo_info)
+    monkeypatch.setattr(hub.api, "repo_info", recording_repo_info)
     monkeypatch.setattr(huggingface_hub.utils, "get_session", RecordingSession)
     hub.revision(), hub.read("a.bin")
     with deadline(t.now + 2.5):
@@ -154,7 +154,7 @@ BOUND = STARTUP_TIMEOUT + REQUEST_TIMEOUT + 15  # s, from the node's first reque
 @pytest.mark.slow
 @pytest.mark.parametrize("role", ["worker", "master"])
 def test_a_node_that_cannot_reach_the_hub_fails_within_startup_timeout(tmp_path, role):
-    from hub_server import HubServer
+    from diloco.testing.hub_server import HubServer
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
     with HubServer(token=TOKEN) as server:

@@ -1,6 +1,6 @@
 """DumbDiLoCo transport: shared-directory repository and the Hub through the real client.
 
-The Hub tests run `huggingface_hub` unmodified against tests/hub_server.py on loopback.
+The Hub tests run `huggingface_hub` unmodified against src/diloco/testing/hub_server.py on loopback.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def test_directory_read_into_gives_the_bytes_of_read_in_a_reused_buffer_and_caps
     assert bytes(buffer) == before
     with pytest.raises(RemoteNotFound):
         repo.read_into("nodes/a/delta_3.safetensors", buffer)
-    stored, _ = repo._lookup("nodes/a/delta_2.safetensors", int(repo.revision()))
+    stored, _ = repo.locate("nodes/a/delta_2.safetensors", int(repo.revision()))
     with open(stored, "ab") as f:  # a file grown behind the log's back: capped by its size on disk too
         f.write(bytes(100))
     with pytest.raises(FileTooLarge):

@@ -258,9 +258,13 @@ def test_a_translated_install_leaves_the_residual_alone(tmp_path):
     what the master decoded plus the residual is still the sum of the deltas the node encoded."""
     model = small()
     coord, spy, _ = worker(  # its globals never include its deltas: every snapshot stays pending, uncapped
-        tmp_path, model=model, pseudo_grad_dtype="int4", quant_block_size=16, install="translate",
+        tmp_path,
+        model=model,
+        pseudo_grad_dtype="int4",
+        quant_block_size=16,
+        install="translate",
         max_pending_snapshots=0,
-    )  # fmt: skip
+    )
     inputs, encode_ = [], coord.codec.encode
     coord.codec.encode = lambda delta, meta: (inputs.append(delta), encode_(delta, meta))[1]
     for step in range(1, 13):

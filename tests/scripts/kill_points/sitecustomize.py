@@ -13,7 +13,6 @@ import sys
 import time
 
 _SPEC = os.environ.get("DILOCO_TEST_PAUSE")
-_WRAPPED = {"rank-file": "write_atomic_with", "meta": "write_atomic", "prune": "_prune"}
 
 
 def _install(spec: str) -> None:
@@ -32,19 +31,18 @@ def _install(spec: str) -> None:
             time.sleep(0.05)  # waiting on the test's file, which it writes after its kill
         open(f"{folder}/released", "w").close()
 
-    def wrap(name: str, here: str):
-        original = getattr(ckpt, name)
-
-        def paused(*args, **kwargs):
+    def paused(original, here: str):
+        def run(*args, **kwargs):
             if here == "rank-file":
                 seen["step"] = _step_of(args[0])
             pause_at(here, seen["step"])
             return original(*args, **kwargs)
 
-        setattr(ckpt, name, paused)
+        return run
 
-    for here, name in _WRAPPED.items():
-        wrap(name, here)
+    ckpt.write_atomic_with = paused(ckpt.write_atomic_with, "rank-file")  # module globals: save() calls these
+    ckpt.write_atomic = paused(ckpt.write_atomic, "meta")
+    ckpt.prune = paused(ckpt.prune, "prune")
 
 
 def _step_of(path) -> int:

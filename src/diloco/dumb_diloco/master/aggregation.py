@@ -41,6 +41,11 @@ class RunningSum:
         self.weight += weight
         self.count += 1
 
+    @property
+    def packed(self) -> bool:
+        """Whether the sum is one float32 buffer (a delta of its layout then adds in one operation)."""
+        return self._flat is not None
+
     def mean(self, nodes: int | None = None) -> dict[str, torch.Tensor]:
         """The weighted mean of the deltas added (their sum divided by the sum of weights), in the sum's
         buffer, which this hands over: the running sum starts empty again. `nodes`: a quorum round's

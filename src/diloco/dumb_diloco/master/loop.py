@@ -29,13 +29,12 @@ from pathlib import Path
 import torch
 
 from ..store.base import why_permanent
-from ..store.budget import LEDGER_EVERY_S
 from ..store.transport import Transport, TransportError
 from ..wire.global_state import GlobalSnapshot, delta_layout
 from ..wire.repo_paths import GLOBAL_LEDGER_PATH, LEASE_PATH, utc_now
 from .aggregation import RunningSum
 from .intake import Candidate, Intake
-from .publication import HF_CONFIG_PATH, garbage, global_files, lease_blob, ledger_blob
+from .publication import HF_CONFIG_PATH, Cadence, garbage, global_files, lease_blob, ledger_blob
 from .recovery import LedgerEntry, MasterState, read_lease
 
 log = logging.getLogger("diloco.dumb_diloco")
@@ -97,7 +96,7 @@ class OuterLoop:
         self._pending: dict[tuple[str, int, str], Candidate] = {}  # waiting for the quorum; summed in _sum
         self._sum, self._round_nodes = RunningSum(), None  # step 5 as the deltas arrive: their weighted sum
         self._processed_paths: dict[str, tuple[str, int]] = {}  # path -> (node, step): processed, in the repo
-        self._last_lease_write = -math.inf
+        self.cadence = Cadence(self.lease_seconds)  # when the lease and the ledger are due between rounds
         self.fenced = ""  # non-empty: another master holds the lease; this one no longer publishes
         self.dead = ""  # non-empty: a refused token (PermanentError): the loop stopped; the node fails
         self.lock = threading.Lock()  # guards `state` against checkpointing from the training thread
@@ -107,7 +106,6 @@ class OuterLoop:
         self._stop = threading.Event()
         self._drain_timeout, self._draining = 0.0, False
         self.unfinished: dict[str, str] = {}  # while draining: node -> why its final delta is not processed
-        self._ledger_dirty, self._last_ledger_write = False, -math.inf  # rejections not yet published
         # metrics (read by the training thread)
         self.rounds = self.deltas_accepted = self.deltas_rejected = self.last_num_peers = self.errors = 0
         self.bytes_uploaded = 0
@@ -152,7 +150,7 @@ class OuterLoop:
             for entry in result.rejected:
                 ledger.add(entry)
             self.deltas_rejected += len(result.rejected)
-            self._ledger_dirty |= bool(result.rejected)
+            self.cadence.ledger_dirty |= bool(result.rejected)
             if valid:
                 self._outer_step(valid, result)
         self._processed_paths |= {c.path: (c.node_id, c.local_step) for c in valid}
@@ -263,6 +261,11 @@ class OuterLoop:
         """Validated deltas waiting for the quorum (`min_deltas_per_round`)."""
         return len(self._pending)
 
+    @property
+    def waiting(self) -> tuple[Candidate, ...]:
+        """The validated deltas waiting for the quorum: their identities and headers (the sum holds the tensors)."""
+        return tuple(self._pending.values())
+
     # ---- publication, state, notification
 
     def publish(self, applied: Iterable[LedgerEntry] = ()) -> bool:
@@ -303,7 +306,7 @@ class OuterLoop:
             return False
         self._unpublished = False
         self.published_step, self.published_sha256 = outer_step, common["global_sha256"]
-        self._wrote(files)
+        self.cadence.wrote(files)
         for path in delete:
             self._processed_paths.pop(path, None)
         if delete:
@@ -343,14 +346,11 @@ class OuterLoop:
         lease, in that same write (no commit of its own: docs/dumb_diloco.md "Hub budget"), without one at
         most once per LEDGER_EVERY_S. `final`: both, always, with the ledger marked final and the lease
         released. Nothing once fenced."""
-        now, files = time.monotonic(), {}
-        if self.lease_seconds > 0 and (final or now - self._last_lease_write >= self.lease_seconds / 3):
+        files = {}
+        if self.cadence.lease_due(final):
             files[LEASE_PATH] = self.lease_blob(released=final)
         current = not self._unpublished and self.published_step == self.state.outer_step
-        if self.lease_seconds > 0:  # the ledger rides with the lease
-            due = final or (self._ledger_dirty and LEASE_PATH in files)
-        else:
-            due = final or (self._ledger_dirty and now - self._last_ledger_write >= LEDGER_EVERY_S)
+        due = self.cadence.ledger_due(final, with_lease=LEASE_PATH in files)
         if self.publish_state and current and self.published_sha256 and due:
             with self.lock:
                 rows = self.state.ledger.to_json()
@@ -362,16 +362,10 @@ class OuterLoop:
         what = "the final ledger and lease" if final else " and ".join(p.split("/")[-1] for p in files)
         try:
             self.transport.write(files, message=f"{self.node_id}: {what}")
-            self._wrote(files)
+            self.cadence.wrote(files)
         except TransportError as err:
             self.dead = self.dead or why_permanent(err)
             log.warning("master: writing %s failed (%s); will retry", what, err)
-
-    def _wrote(self, files: dict[str, bytes]) -> None:
-        if LEASE_PATH in files:
-            self._last_lease_write = time.monotonic()
-        if GLOBAL_LEDGER_PATH in files:
-            self._ledger_dirty, self._last_ledger_write = False, time.monotonic()
 
     def save_state(self) -> None:
         if self.state_dir is None:
@@ -443,6 +437,16 @@ class OuterLoop:
             )
             return False
         return not self.intake.transient and not self._unpublished
+
+    @property
+    def running(self) -> bool:
+        """Whether the daemon thread is alive (started and not yet ended)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def draining(self) -> bool:
+        """True once `stop` asked for the final deltas (the rounds after it wait for every node's last)."""
+        return self._draining
 
     @property
     def stopped(self) -> bool:

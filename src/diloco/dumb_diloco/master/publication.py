@@ -9,13 +9,18 @@ process (its instance token), not only the node id. Formats: docs/dumb_diloco.md
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
+from ..store.budget import LEDGER_EVERY_S
 from ..wire.repo_paths import (
     GLOBAL_LEDGER_PATH,
     GLOBAL_MOMENTUM_PATH,
     GLOBAL_STEP_PATH,
     GLOBAL_WEIGHTS_PATH,
+    LEASE_PATH,
     utc_now,
 )
 from ..wire.tensor_format import encode, parse_header
@@ -92,3 +97,37 @@ def garbage(processed: dict[str, tuple[str, int]], keep: int) -> list[str]:
     for path, (node, step) in processed.items():
         by_node.setdefault(node, []).append((step, path))
     return sorted(p for items in by_node.values() for _, p in sorted(items, reverse=True)[keep:])
+
+
+@dataclass
+class Cadence:
+    """When the master's small writes between publications are due, from when each was last written
+    (monotonic seconds): the lease when none renewed it for lease_seconds / 3; the ledger when rejections
+    wait for it (`ledger_dirty`), riding with the lease when there is one, else at most once per
+    `ledger_every_s`. A publication carries both, so it counts as either write."""
+
+    lease_seconds: float
+    ledger_every_s: float = LEDGER_EVERY_S
+    clock: Callable[[], float] = time.monotonic
+    last_lease: float = -math.inf
+    last_ledger: float = -math.inf
+    ledger_dirty: bool = False  # rejections not yet in a published ledger
+
+    def lease_due(self, final: bool = False) -> bool:
+        if self.lease_seconds <= 0:
+            return False
+        return final or self.clock() - self.last_lease >= self.lease_seconds / 3
+
+    def ledger_due(self, final: bool, with_lease: bool) -> bool:
+        """`with_lease`: this write holds the lease (with a lease, the ledger writes only beside it)."""
+        if final:
+            return True
+        if self.lease_seconds > 0:
+            return self.ledger_dirty and with_lease
+        return self.ledger_dirty and self.clock() - self.last_ledger >= self.ledger_every_s
+
+    def wrote(self, files: dict[str, bytes]) -> None:
+        if LEASE_PATH in files:
+            self.last_lease = self.clock()
+        if GLOBAL_LEDGER_PATH in files:
+            self.ledger_dirty, self.last_ledger = False, self.clock()

@@ -53,7 +53,7 @@ class NodeRanks:
         """Rank 0 connects and installs the starting global (or resumes); every rank then holds its weights."""
         self._on_leader("start", lambda leader: leader.start())
         self._install_from_leader(True)
-        self._check_same_weights("after the start")
+        self.check_same_weights("after the start")
         if self.ctx.is_main:
             log.info(
                 f"node {self.s.node_id}: {self.ctx.world_size} ranks (DDP inside the node), rank 0 uploads"
@@ -72,7 +72,7 @@ class NodeRanks:
         """Rank 0's end of run (its last delta; the master's drain and final global), on every rank."""
         changed = self._on_leader("finish", lambda leader: leader.finish())
         changed = self._install_from_leader(bool(changed))
-        self._check_same_weights("at the end")
+        self.check_same_weights("at the end")
         return changed
 
     def state_dict(self) -> dict:
@@ -126,7 +126,8 @@ class NodeRanks:
                 dist.broadcast(t, src=0)
         return True
 
-    def _check_same_weights(self, when: str) -> None:
+    def check_same_weights(self, when: str) -> None:
+        """Every rank holds the same weights (a collective): a DistributedError names those that differ."""
         mine = weights_sha256(self.model)
         hashes: list = [None] * self.ctx.world_size
         dist.all_gather_object(hashes, mine)

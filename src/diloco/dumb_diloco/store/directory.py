@@ -148,7 +148,8 @@ class DirectoryTransport:
                 return None if v.deleted else v
         return None
 
-    def _lookup(self, path: str, rev: int) -> tuple[Path, int]:
+    def locate(self, path: str, rev: int) -> tuple[Path, int]:
+        """The file holding `path` at revision `rev`, and the size the log recorded for it."""
         validate_repo_path(path)
         parent, _, name = path.rpartition("/")
         index_dir = self._files / parent if parent else self._files
@@ -186,7 +187,7 @@ class DirectoryTransport:
         return sorted(out, key=lambda f: f.path)
 
     def read(self, path: str, revision: str | None = None, max_bytes: int | None = None) -> bytes:
-        file, size = self._lookup(path, self._resolve(revision))
+        file, size = self.locate(path, self._resolve(revision))
         if max_bytes is not None and size > max_bytes:
             raise FileTooLarge(f"{path} is {size} bytes, over the cap of {max_bytes}")
         try:
@@ -200,7 +201,7 @@ class DirectoryTransport:
         """`read`, into `buffer` (a new bytearray where the file does not fit): a view of the file's bytes,
         whose `.obj` is the buffer to pass next time. A reused buffer is resident already: reading a file
         into a fresh one page-faults on every page, ~4x the copy itself. The size is capped before reading."""
-        file, size = self._lookup(path, self._resolve(revision))
+        file, size = self.locate(path, self._resolve(revision))
         try:
             with open(file, "rb", buffering=0) as f:
                 size = max(size, os.fstat(f.fileno()).st_size)  # the log's size, or the file's if larger
@@ -217,7 +218,7 @@ class DirectoryTransport:
     def read_header(
         self, path: str, revision: str | None = None, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     ) -> SafetensorsHeader:
-        file, _ = self._lookup(path, self._resolve(revision))
+        file, _ = self.locate(path, self._resolve(revision))
         try:
             with open(file, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -284,7 +285,7 @@ class DirectoryTransport:
                 raise RevisionConflict(f"repository is at revision {head:012d}, not {parent:012d}")
             for path in delete:
                 try:
-                    self._lookup(path, head)
+                    self.locate(path, head)
                 except RemoteNotFound:
                     raise RemoteNotFound(f"cannot delete {path}: it does not exist") from None
             for path in files:
@@ -312,7 +313,7 @@ class DirectoryTransport:
         parts = path.split("/")
         for i in range(1, len(parts)):
             with contextlib.suppress(RemoteNotFound):
-                self._lookup("/".join(parts[:i]), head)
+                self.locate("/".join(parts[:i]), head)
                 raise ValueError(f"cannot write {path}: {'/'.join(parts[:i])} is a file")
         if (self._files / path).is_dir() and self.list(path, f"{head:012d}"):
             raise ValueError(f"cannot write {path}: it is a directory")

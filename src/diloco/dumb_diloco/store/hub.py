@@ -136,8 +136,8 @@ class HubTransport:
         # a test) point an already-imported client elsewhere. None keeps the client's default.
         endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or "").rstrip("/") or None
         self._token = token  # None: the client's own lookup (HF_TOKEN, token file)
-        self._api = HfApi(endpoint=endpoint, token=token, library_name="diloco-dumb")
-        self.endpoint = self._api.endpoint
+        self.api = HfApi(endpoint=endpoint, token=token, library_name="diloco-dumb")
+        self.endpoint = self.api.endpoint
         self.cache_dir = str(cache_dir) if cache_dir is not None else None  # reads stream to memory
         self.retry = retry or RetryPolicy()
         self.timeout_s = timeout_s
@@ -150,7 +150,7 @@ class HubTransport:
         if create:  # create_repo takes no timeout (see _call)
             self._call(
                 "create repository",
-                lambda: self._api.create_repo(repo_id, exist_ok=True, private=True, repo_type="model"),
+                lambda: self.api.create_repo(repo_id, exist_ok=True, private=True, repo_type="model"),
             )
 
     def __repr__(self) -> str:
@@ -274,7 +274,7 @@ class HubTransport:
     def revision(self) -> str:
         info = self._call(
             "read repository revision",
-            lambda: self._api.repo_info(self.repo_id, repo_type="model", timeout=self._timeout()),
+            lambda: self.api.repo_info(self.repo_id, repo_type="model", timeout=self._timeout()),
         )
         if not info.sha:
             raise TransportError(f"the Hub returned no commit sha for {self.repo_id}")
@@ -288,7 +288,7 @@ class HubTransport:
 
         def _list() -> list[RemoteFile]:
             try:
-                tree = self._api.list_repo_tree(
+                tree = self.api.list_repo_tree(
                     self.repo_id, path_in_repo=prefix or None, recursive=True, revision=revision
                 )
                 entries = [e for e in tree if isinstance(e, RepoFile)]
@@ -364,8 +364,8 @@ class HubTransport:
         """Head sha if the head already holds exactly `files` and none of `delete`, else None."""
         from huggingface_hub.hf_api import RepoFile
 
-        head = self._api.repo_info(self.repo_id, repo_type="model", timeout=self._timeout()).sha
-        infos = self._api.get_paths_info(self.repo_id, [*files, *delete], revision=head)
+        head = self.api.repo_info(self.repo_id, repo_type="model", timeout=self._timeout()).sha
+        infos = self.api.get_paths_info(self.repo_id, [*files, *delete], revision=head)
         by_path = {i.path: i for i in infos if isinstance(i, RepoFile)}
         for path, data in files.items():
             info = by_path.get(path)
@@ -402,7 +402,7 @@ class HubTransport:
                     CommitOperationAdd(path_in_repo=p, path_or_fileobj=d) for p, d in sources.items()
                 ]
                 ops += [CommitOperationDelete(path_in_repo=p) for p in delete]
-                return self._api.create_commit(
+                return self.api.create_commit(
                     self.repo_id,
                     operations=ops,
                     commit_message=message,

@@ -1,4 +1,5 @@
-"""A loopback Hugging Face Hub for tests: the real `huggingface_hub` client talks to it over HTTP.
+"""A loopback Hugging Face Hub for tests and benchmarks: the real `huggingface_hub` client talks to it over
+HTTP (127.0.0.1 only). Nothing in the product imports it.
 
 It implements ONLY the subset of the Hub's HTTP API that `huggingface_hub` 2.4 uses for the calls
 `diloco.dumb_diloco.store.transport.HubTransport` makes (and `hf_hub_download`) on model repos, and the
@@ -493,31 +494,11 @@ class _Handler(BaseHTTPRequestHandler):
             repo = self._repo(m.group("repo"), "dataset" if m.group("type") == "datasets" else "model")
             op, rev = m.group("op"), m.group("rev")
             if kind in ("repo_info", "dataset_info") and method == "GET":
-                commit = self._commit_at(repo, rev) if rev else repo.head
-                info = {
-                    "id": repo.repo_id,
-                    "sha": commit.sha,
-                    "private": repo.repo_type == "model",
-                    "lastModified": _iso(commit.time),
-                    "siblings": [{"rfilename": p} for p in sorted(commit.files)],
-                }
-                if repo.repo_type == "model":
-                    info["modelId"] = repo.repo_id
-                else:
-                    info |= {"author": repo.repo_id.split("/")[0], "gated": False, "disabled": False}
-                return 200, info, {}, None
+                return 200, self._info(repo, rev), {}, None
             if repo.repo_type == "dataset" and op in ("preupload", "commit"):
                 raise _HttpError(403, "the loopback Hub's dataset repos are read-only")
             if op == "preupload" and method == "POST":
-                commit = self._commit_at(repo, rev)
-                files = json.loads(body)["files"]
-                out = []
-                for f in files:
-                    entry = {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                    if f["path"] in commit.files:
-                        entry["oid"] = git_blob_sha1(commit.files[f["path"]])
-                    out.append(entry)
-                return 200, {"files": out, "commitOid": commit.sha}, {}, None
+                return 200, self._preupload(repo, rev, body), {}, None
             if op == "commit" and method == "POST":
                 return self._commit(repo, unquote(rev), body)
             if op == "tree" and method == "GET":
@@ -525,32 +506,57 @@ class _Handler(BaseHTTPRequestHandler):
                 sub = unquote(m.group("rest") or "").strip("/")
                 return self._tree(repo, commit, rev, sub, query)
             if op == "paths-info" and method == "POST":
-                commit = self._commit_at(repo, rev)
-                form = parse_qs(body.decode())
-                out = []
-                for p in form.get("paths", []):
-                    if p in commit.files:
-                        out.append(self._file_entry(p, commit.files[p]))
-                    elif any(f.startswith(p.rstrip("/") + "/") for f in commit.files):
-                        out.append(self._dir_entry(p))
-                return 200, out, {}, None
+                return 200, self._paths_info(repo, rev, body), {}, None
             if op == "commits" and method == "GET":
-                commit = self._commit_at(repo, rev)
-                history = []
-                c: Commit | None = commit
-                while c is not None:
-                    history.append(
-                        {
-                            "id": c.sha,
-                            "authors": [{"user": "loopback"}],
-                            "date": _iso(c.time),
-                            "title": c.title,
-                            "message": c.message,
-                        }
-                    )
-                    c = repo.commits.get(c.parent) if c.parent else None
-                return 200, history, {}, None
+                return 200, self._history(repo, rev), {}, None
             raise _HttpError(404, f"Not implemented by the loopback Hub: {method} {path}")
+
+    def _info(self, repo: Repo, rev: str | None) -> dict:
+        """repo_info / model_info / dataset_info: the repository at `rev` (its head without one)."""
+        commit = self._commit_at(repo, rev) if rev else repo.head
+        info = {
+            "id": repo.repo_id,
+            "sha": commit.sha,
+            "private": repo.repo_type == "model",
+            "lastModified": _iso(commit.time),
+            "siblings": [{"rfilename": p} for p in sorted(commit.files)],
+        }
+        if repo.repo_type == "model":
+            info["modelId"] = repo.repo_id
+        else:
+            info |= {"author": repo.repo_id.split("/")[0], "gated": False, "disabled": False}
+        return info
+
+    def _preupload(self, repo: Repo, rev: str, body: bytes) -> dict:
+        """Every file is "regular": the client sends contents inline in the commit, never LFS or Xet."""
+        commit = self._commit_at(repo, rev)
+        out = []
+        for f in json.loads(body)["files"]:
+            entry = {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+            if f["path"] in commit.files:
+                entry["oid"] = git_blob_sha1(commit.files[f["path"]])
+            out.append(entry)
+        return {"files": out, "commitOid": commit.sha}
+
+    def _paths_info(self, repo: Repo, rev: str, body: bytes) -> list[dict]:
+        commit = self._commit_at(repo, rev)
+        out = []
+        for p in parse_qs(body.decode()).get("paths", []):
+            if p in commit.files:
+                out.append(self._file_entry(p, commit.files[p]))
+            elif any(f.startswith(p.rstrip("/") + "/") for f in commit.files):
+                out.append(self._dir_entry(p))
+        return out
+
+    def _history(self, repo: Repo, rev: str) -> list[dict]:
+        """list_repo_commits: from `rev` back to the first commit."""
+        history = []
+        c: Commit | None = self._commit_at(repo, rev)
+        while c is not None:
+            entry = {"id": c.sha, "authors": [{"user": "loopback"}], "date": _iso(c.time)}
+            history.append(entry | {"title": c.title, "message": c.message})
+            c = repo.commits.get(c.parent) if c.parent else None
+        return history
 
     @staticmethod
     def _file_entry(path: str, data: bytes) -> dict:

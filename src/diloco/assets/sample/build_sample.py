@@ -21,7 +21,7 @@ libreadline8 for the ``bible`` program).
 Rebuild (from the repository root)::
 
     apt-get update   # once, if the packages are not installed and apt has no lists yet
-    .venv/bin/python scripts/build_sample.py
+    .venv/bin/python src/diloco/assets/sample/build_sample.py
 
 The output is deterministic for given package versions (they are recorded in PROVENANCE.md).
 """
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[4]  # src/diloco/assets/sample/ -> the repository
 DEFAULT_OUT = REPO_ROOT / "src" / "diloco" / "assets" / "sample"
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "diloco-sample-sources"
 
@@ -261,15 +261,73 @@ def cut_work(work: Work) -> list[Doc]:
 # --------------------------------------------------------------------------------------------
 
 BIBLE_BOOKS = [
-    "Genesis", "Exodus", "Leviticus", "Numbers", "Deuteronomy", "Joshua", "Judges", "Ruth",
-    "1 Samuel", "2 Samuel", "1 Kings", "2 Kings", "1 Chronicles", "2 Chronicles", "Ezra", "Nehemiah",
-    "Esther", "Job", "Psalms", "Proverbs", "Ecclesiastes", "Song of Solomon", "Isaiah", "Jeremiah",
-    "Lamentations", "Ezekiel", "Daniel", "Hosea", "Joel", "Amos", "Obadiah", "Jonah", "Micah", "Nahum",
-    "Habakkuk", "Zephaniah", "Haggai", "Zechariah", "Malachi", "Matthew", "Mark", "Luke", "John", "Acts",
-    "Romans", "1 Corinthians", "2 Corinthians", "Galatians", "Ephesians", "Philippians", "Colossians",
-    "1 Thessalonians", "2 Thessalonians", "1 Timothy", "2 Timothy", "Titus", "Philemon", "Hebrews",
-    "James", "1 Peter", "2 Peter", "1 John", "2 John", "3 John", "Jude", "Revelation",
-]  # fmt: skip
+    "Genesis",
+    "Exodus",
+    "Leviticus",
+    "Numbers",
+    "Deuteronomy",
+    "Joshua",
+    "Judges",
+    "Ruth",
+    "1 Samuel",
+    "2 Samuel",
+    "1 Kings",
+    "2 Kings",
+    "1 Chronicles",
+    "2 Chronicles",
+    "Ezra",
+    "Nehemiah",
+    "Esther",
+    "Job",
+    "Psalms",
+    "Proverbs",
+    "Ecclesiastes",
+    "Song of Solomon",
+    "Isaiah",
+    "Jeremiah",
+    "Lamentations",
+    "Ezekiel",
+    "Daniel",
+    "Hosea",
+    "Joel",
+    "Amos",
+    "Obadiah",
+    "Jonah",
+    "Micah",
+    "Nahum",
+    "Habakkuk",
+    "Zephaniah",
+    "Haggai",
+    "Zechariah",
+    "Malachi",
+    "Matthew",
+    "Mark",
+    "Luke",
+    "John",
+    "Acts",
+    "Romans",
+    "1 Corinthians",
+    "2 Corinthians",
+    "Galatians",
+    "Ephesians",
+    "Philippians",
+    "Colossians",
+    "1 Thessalonians",
+    "2 Thessalonians",
+    "1 Timothy",
+    "2 Timothy",
+    "Titus",
+    "Philemon",
+    "Hebrews",
+    "James",
+    "1 Peter",
+    "2 Peter",
+    "1 John",
+    "2 John",
+    "3 John",
+    "Jude",
+    "Revelation",
+]
 
 
 def slug(s: str) -> str:
@@ -578,15 +636,52 @@ def dhammapada_works(cache: Path, packages: dict[str, Package]) -> list[Work]:
 
 # lexicographer file names, indexed by the file numbers 0-44 of the data files (see lexnames(5WN))
 WORDNET_LEXNAMES = [
-    "adj.all", "adj.pert", "adv.all", "noun.Tops", "noun.act", "noun.animal", "noun.artifact",
-    "noun.attribute", "noun.body", "noun.cognition", "noun.communication", "noun.event", "noun.feeling",
-    "noun.food", "noun.group", "noun.location", "noun.motive", "noun.object", "noun.person",
-    "noun.phenomenon", "noun.plant", "noun.possession", "noun.process", "noun.quantity", "noun.relation",
-    "noun.shape", "noun.state", "noun.substance", "noun.time", "verb.body", "verb.change", "verb.cognition",
-    "verb.communication", "verb.competition", "verb.consumption", "verb.contact", "verb.creation",
-    "verb.emotion", "verb.motion", "verb.perception", "verb.possession", "verb.social", "verb.stative",
-    "verb.weather", "adj.ppl",
-]  # fmt: skip
+    "adj.all",
+    "adj.pert",
+    "adv.all",
+    "noun.Tops",
+    "noun.act",
+    "noun.animal",
+    "noun.artifact",
+    "noun.attribute",
+    "noun.body",
+    "noun.cognition",
+    "noun.communication",
+    "noun.event",
+    "noun.feeling",
+    "noun.food",
+    "noun.group",
+    "noun.location",
+    "noun.motive",
+    "noun.object",
+    "noun.person",
+    "noun.phenomenon",
+    "noun.plant",
+    "noun.possession",
+    "noun.process",
+    "noun.quantity",
+    "noun.relation",
+    "noun.shape",
+    "noun.state",
+    "noun.substance",
+    "noun.time",
+    "verb.body",
+    "verb.change",
+    "verb.cognition",
+    "verb.communication",
+    "verb.competition",
+    "verb.consumption",
+    "verb.contact",
+    "verb.creation",
+    "verb.emotion",
+    "verb.motion",
+    "verb.perception",
+    "verb.possession",
+    "verb.social",
+    "verb.stative",
+    "verb.weather",
+    "adj.ppl",
+]
 WORDNET_POS = {"n": "noun", "v": "verb", "a": "adjective", "s": "adjective", "r": "adverb"}
 WORDNET_MAX_WORK_CHARS = 80_000
 
@@ -635,9 +730,31 @@ def wordnet_works(cache: Path, packages: dict[str, Package]) -> list[Work]:
 # --------------------------------------------------------------------------------------------
 
 _BLOCK_TAGS = {
-    "p", "li", "dd", "dt", "h1", "h2", "h3", "h4", "h5", "h6", "div", "section", "blockquote", "br",
-    "tr", "ul", "ol", "dl", "table", "caption", "figcaption", "td", "th", "hr",
-}  # fmt: skip
+    "p",
+    "li",
+    "dd",
+    "dt",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "h5",
+    "h6",
+    "div",
+    "section",
+    "blockquote",
+    "br",
+    "tr",
+    "ul",
+    "ol",
+    "dl",
+    "table",
+    "caption",
+    "figcaption",
+    "td",
+    "th",
+    "hr",
+}
 _VOID_TAGS = {"br", "hr", "img", "input", "meta", "link", "area", "base", "col", "embed", "source", "wbr"}
 
 
@@ -1071,7 +1188,8 @@ def main() -> None:
         raise SystemExit(f"sample is {total} bytes, over the {MAX_TOTAL_GZIP_BYTES} byte budget")
 
 
-def write_provenance(out, works, files, train, val, packages, ntokens) -> None:
+def source_rows(works, train, val, ntokens) -> list[str]:
+    """The counts table's rows: one per source, then the total."""
     works_by_source = Counter(w.source for w in works)
     rows = []
     for src in SOURCE_INFO:
@@ -1087,55 +1205,25 @@ def write_provenance(out, works, files, train, val, packages, ntokens) -> None:
         f"| **total** | {len(works)} | {len(train):,} | {c_tr:,} | {n_tr_tok:,} | {len(val):,} | {c_va:,} "
         f"| {n_va_tok:,} |"
     )
-    lengths = sorted(len(d.text) for d in train + val)
-    file_rows = [
-        f"| `{name}` | {len(ds):,} | {sum(len(d.text) for d in ds):,} | {(out / name).stat().st_size:,} |"
-        for name, ds in files.items()
+    return rows
+
+
+def source_sections(packages) -> list[str]:
+    """One "### source" section per source: its packages, origin, licence and preparation."""
+    return [
+        f"### {src}: {info['title']}\n\n"
+        f"- Debian package(s): {', '.join(f'`{p}` {packages[p].version}' for p in info['packages'])}\n"
+        f"- Original: {info['origin']}\n"
+        f"- Licence: {info['licence']}\n"
+        f"- Source work (document `url` without `#part-<n>`): {info['work']}; `{info['url']}`\n"
+        f"- Preparation: {info['cut']}\n"
+        for src, info in SOURCE_INFO.items()
     ]
-    tok_bytes = sum(p.stat().st_size for p in (out / "tokenizer").rglob("*") if p.is_file())
-    pkg_rows = [f"| `{p.name}` | {p.version} |" for p in sorted(packages.values(), key=lambda p: p.name)]
 
-    src_sections = []
-    for src, info in SOURCE_INFO.items():
-        src_sections.append(
-            f"### {src}: {info['title']}\n\n"
-            f"- Debian package(s): {', '.join(f'`{p}` {packages[p].version}' for p in info['packages'])}\n"
-            f"- Original: {info['origin']}\n"
-            f"- Licence: {info['licence']}\n"
-            f"- Source work (document `url` without `#part-<n>`): {info['work']}; `{info['url']}`\n"
-            f"- Preparation: {info['cut']}\n"
-        )
 
-    text = f"""# Provenance of the bundled C4-format sample
-
-This directory is a small, offline stand-in for `allenai/c4` (`en`): gzip JSON-lines files whose lines
-are `{{"text": ..., "timestamp": ..., "url": ...}}`, plus a byte-level BPE tokenizer trained on the
-train split. It is built by `scripts/build_sample.py` from public-domain or permissively licensed English
-texts that Debian ships as packages; nothing was taken from the web. The raw packages are not committed.
-
-## Rebuild
-
-```
-apt-get update                                  # only if the packages must be downloaded
-.venv/bin/python scripts/build_sample.py        # from the repository root
-```
-
-Optionally install the packages first (then nothing is downloaded):
-`apt-get install bible-kjv r-cran-janeaustenr dict-devil jargon-text display-dhammapada wordnet-base
-python3.11-doc sqlite3-doc`.
-
-Each package is read from its installed location if installed, else fetched with `apt-get download`
-and unpacked with `dpkg -x` into `~/.cache/diloco-sample-sources/` (override with `--cache`). The output
-is byte-for-byte deterministic for the package versions below; other versions give a similar sample.
-
-| Debian package (Debian 12 "bookworm") | version used |
-| --- | --- |
-{chr(10).join(pkg_rows)}
-
-## Sources
-
-{chr(10).join(src_sections)}
-## How documents were made
+def method_section(lengths: list[int]) -> str:
+    """PROVENANCE.md's "How documents were made": the cutting, normalising and splitting rules."""
+    return f"""## How documents were made
 
 - Each source is divided into *source works* (a Bible book, a novel volume, a documentation page, ...).
   A document's `url` is `<work url>#part-<n>`; stripping the `#fragment` groups the parts of one work,
@@ -1157,7 +1245,50 @@ is byte-for-byte deterministic for the package versions below; other versions gi
 - Document lengths (both splits): min {lengths[0]:,}, median {lengths[len(lengths) // 2]:,},
   max {lengths[-1]:,} characters.
 
-## Counts
+"""
+
+
+def write_provenance(out, works, files, train, val, packages, ntokens) -> None:
+    rows = source_rows(works, train, val, ntokens)
+    lengths = sorted(len(d.text) for d in train + val)
+    file_rows = [
+        f"| `{name}` | {len(ds):,} | {sum(len(d.text) for d in ds):,} | {(out / name).stat().st_size:,} |"
+        for name, ds in files.items()
+    ]
+    tok_bytes = sum(p.stat().st_size for p in (out / "tokenizer").rglob("*") if p.is_file())
+    pkg_rows = [f"| `{p.name}` | {p.version} |" for p in sorted(packages.values(), key=lambda p: p.name)]
+    src_sections = source_sections(packages)
+
+    text = f"""# Provenance of the bundled C4-format sample
+
+This directory is a small, offline stand-in for `allenai/c4` (`en`): gzip JSON-lines files whose lines
+are `{{"text": ..., "timestamp": ..., "url": ...}}`, plus a byte-level BPE tokenizer trained on the
+train split. It is built by `src/diloco/assets/sample/build_sample.py` from public-domain or permissively licensed English
+texts that Debian ships as packages; nothing was taken from the web. The raw packages are not committed.
+
+## Rebuild
+
+```
+apt-get update                                  # only if the packages must be downloaded
+.venv/bin/python src/diloco/assets/sample/build_sample.py  # from the repository root
+```
+
+Optionally install the packages first (then nothing is downloaded):
+`apt-get install bible-kjv r-cran-janeaustenr dict-devil jargon-text display-dhammapada wordnet-base
+python3.11-doc sqlite3-doc`.
+
+Each package is read from its installed location if installed, else fetched with `apt-get download`
+and unpacked with `dpkg -x` into `~/.cache/diloco-sample-sources/` (override with `--cache`). The output
+is byte-for-byte deterministic for the package versions below; other versions give a similar sample.
+
+| Debian package (Debian 12 "bookworm") | version used |
+| --- | --- |
+{chr(10).join(pkg_rows)}
+
+## Sources
+
+{chr(10).join(src_sections)}
+{method_section(lengths)}## Counts
 
 Tokens are counted with the bundled tokenizer, without special tokens.
 

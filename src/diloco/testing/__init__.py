@@ -1,0 +1,1 @@
+"""What tests and benchmarks share that is not the product: the loopback Hugging Face Hub."""
