@@ -19,9 +19,8 @@ import argparse
 import statistics
 from pathlib import Path
 
-from replicate import run_local
-
 from diloco.experiments import records
+from diloco.experiments.run import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, WARMUP = 1560, 100  # the family's budget: 52 outer rounds at H=30

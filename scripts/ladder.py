@@ -23,11 +23,10 @@ import argparse
 import json
 from pathlib import Path
 
-from replicate import run_local
-
 from diloco.experiments import records
 from diloco.experiments.plan import compose_experiment, num_parameters
 from diloco.experiments.plan import unique_train_tokens as plan_unique_tokens
+from diloco.experiments.run import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = ["micro", "ladder_2_2m", "ladder_3_7m"]

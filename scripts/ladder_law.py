@@ -35,10 +35,10 @@ from pathlib import Path
 import tune_law
 import yaml
 from ladder import unique_train_tokens
-from replicate import run_local
 
 from diloco.experiments import records
 from diloco.experiments.plan import compose_experiment, num_parameters
+from diloco.experiments.run import run_local
 from diloco.scaling_law import LossGapLaw, from_reference
 
 ROOT = Path(__file__).resolve().parents[1]

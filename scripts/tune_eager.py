@@ -20,10 +20,10 @@ import argparse
 from pathlib import Path
 
 from ladder import unique_train_tokens
-from replicate import run_local
 from tune_law import STEPS, rows_of, run_name, table
 
 from diloco.experiments import records
+from diloco.experiments.run import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 EAGER, STREAM = "tiny_law/diloco_stream_p4_eager", "tiny_law/diloco_stream_p4"

@@ -29,9 +29,9 @@ import math
 from pathlib import Path
 
 from ladder import unique_train_tokens
-from replicate import run_local
 
 from diloco.experiments import records
+from diloco.experiments.run import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 1560  # 52 outer rounds at H=30

@@ -22,10 +22,10 @@ import argparse
 from pathlib import Path
 
 from ladder import unique_train_tokens
-from replicate import run_local
 
 from diloco.experiments import records
 from diloco.experiments.plan import compose_experiment
+from diloco.experiments.run import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = ["data.packing=true", "data.eval_subset=tune", "launch.reference=null", "launch.family=tiny-tune"]

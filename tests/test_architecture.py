@@ -328,15 +328,15 @@ def test_no_fmt_skip(tree):
 # Still too long (issue 43): benchmark mains that measure, tabulate and write in one function. The list
 # only shrinks: a function split to size must leave it, or this test fails.
 LONG_FUNCTIONS_LEFT = {
-    "scripts": {
-        "bench_aggregation.py: main",
-        "bench_boundary.py: main",
-        "bench_comm_volume.py: main",
-        "bench_gpu.py: main",
-        "bench_outer_step.py: main",
-        "bench_utilization.py: main",
-        "report.py: main",
-    }
+    "src": {
+        "diloco/bench/aggregation.py: main",
+        "diloco/bench/boundary.py: main",
+        "diloco/bench/comm_volume.py: main",
+        "diloco/bench/gpu.py: main",
+        "diloco/bench/outer_step.py: main",
+        "diloco/bench/utilization.py: main",
+    },
+    "scripts": {"report.py: main"},
 }
 
 

@@ -1,4 +1,4 @@
-"""Every benchmark (scripts/bench_*.py) runs once at its tiny size and writes its JSON record.
+"""Every benchmark (diloco.bench, run as scripts/bench_*.py) runs once at its tiny size and writes its JSON record.
 
 No timing is asserted here: benchmarks measure, `make bench` reports. These tests only prove the
 scripts still run against the current code and write what the report reads.
@@ -6,24 +6,16 @@ scripts still run against the current code and write what the report reads.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-
 
 def load(name: str):
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    """The benchmark module behind scripts/<name>.py."""
+    return importlib.import_module(f"diloco.bench.{name.removeprefix('bench_')}")
 
 
 def run_tiny(name: str, out: Path, *extra: str) -> dict:
@@ -175,7 +167,7 @@ def test_labelled_runs_are_kept_side_by_side(tmp_path, name):
 
 
 def test_a_record_is_dirty_only_for_tracked_changes_outside_the_excluded_folders(tmp_path, monkeypatch):
-    """`bench_common.commit`'s rule, through metrics.git_commit: a benchmark rewriting results/ as it goes
+    """`common.commit`'s rule, through metrics.git_commit: a benchmark rewriting results/ as it goes
     stays clean; any other tracked change is -dirty; a copy without git names DILOCO_GIT_COMMIT."""
     import subprocess
 

@@ -15,25 +15,24 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from polling import wait_until
 from test_harness import fake_run, launch, tiny_family
 from trainer_utils import compose_cfg
 
 from diloco.assets import asset_path
 from diloco.config import ConfigError, check_command_line, schedule_notice, validate
+from diloco.experiments import run as replicate
+from diloco.experiments.plan import compose_overrides, num_parameters
+from diloco.replication import check, load_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import check as check_script  # noqa: E402
-import replicate  # noqa: E402
 import report as report_script  # noqa: E402
-
-from diloco.experiments.plan import compose_overrides, num_parameters  # noqa: E402
-from diloco.replication import check, load_runs  # noqa: E402
 
 
 def train(*overrides, env=None, timeout=180):
@@ -259,11 +258,6 @@ def test_a_key_of_another_mode_is_refused_naming_the_mode(plus):
 
 
 # ------------------------------------------------------------------------------------------ 4 clean stops
-def wait_for(predicate, what: str, deadline_s: float = 240):
-    deadline = time.monotonic() + deadline_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def start_tiny_ddp(tmp_path) -> subprocess.Popen:
@@ -296,7 +290,7 @@ def test_a_stop_through_launch_node_ends_in_130_and_the_resume_line(how, tmp_pat
     proc = start_tiny_ddp(tmp_path)
     metrics = tmp_path / "tiny-ddp-mx" / "metrics.jsonl"
     try:
-        wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, "the first logged step")
+        wait_until(lambda: metrics.exists() and metrics.stat().st_size > 0, "the first logged step", 240)
         if how == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground job
         else:

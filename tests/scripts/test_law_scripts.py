@@ -203,7 +203,8 @@ def test_the_law_regime_frontier_record_judges_every_run_the_family_makes():
     """scripts/compression_acceptance.py's tiny-law-frontier rows name the runs `replicate.py --family
     tiny-law-frontier` makes (a renamed run would drop out of the record without a word)."""
     import compression_acceptance as ca
-    from replicate import FAMILIES
+
+    from diloco.experiments.run import FAMILIES
 
     judged = {ca.BASES["tiny-law-frontier"], *ca.FAMILIES["tiny-law-frontier"]}
     dumb = {name.removesuffix("-node-0") for name in ca.DUMB_FAMILIES["tiny-law-frontier"][0].values()}

@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-from replicate import CPU_SMOKE, FAMILIES  # noqa: E402
+from diloco.experiments.plan import compose_experiment, topology
+from diloco.experiments.run import CPU_SMOKE, FAMILIES
+from diloco.replication import REFERENCE
 
-from diloco.experiments.plan import compose_experiment, topology  # noqa: E402
-from diloco.replication import REFERENCE  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make(*args: str, timeout: float) -> subprocess.CompletedProcess:

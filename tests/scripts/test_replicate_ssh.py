@@ -1,4 +1,4 @@
-"""`make replicate-*` across nodes: scripts/replicate.py's ssh runner, with an `ssh` stand-in first on PATH.
+"""`make replicate-*` across nodes: diloco.experiments.run's ssh runner (scripts/replicate.py), with an `ssh` stand-in first on PATH.
 
 The stand-in (written into the test's folder) is what ssh is to the runner: `ssh [-o ...] HOST COMMAND`
 runs COMMAND for a host of its cluster, here, in a login-like environment of its own (its own HOME, a
@@ -35,7 +35,6 @@ from trainer_utils import compose_cfg
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_network")]
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))  # replicate.py and plan.py, as test_harness_trust.py imports them
 HOSTS = ["127.0.0.1", "127.0.0.2"]  # both loopback: two "nodes" on this machine
 RUNS = ["tiny/ddp_mx", "tiny/diloco_fp32"]  # the tiny family's order
 STEPS = 50
@@ -158,8 +157,7 @@ def test_a_family_of_two_runs_over_ssh_on_two_nodes(tmp_path, rendezvous):
 
 
 def test_the_nodes_commands_of_a_dumb_diloco_run_and_the_hosts_file(tmp_path, monkeypatch):
-    import replicate
-
+    from diloco.experiments import run as replicate
     from diloco.experiments.plan import PlanError
 
     hosts = tmp_path / "nodes.txt"

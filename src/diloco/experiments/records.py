@@ -1,7 +1,7 @@
 """What a results record states about itself, and how it is written: the command, the date, the machine,
 the commit (with -dirty when tracked files outside results/ differ from it), the runs it trusts (only
 those made from a clean tree), and atomic writes through `diloco.files` (a stopped script leaves the old
-record or the new one). Benchmarks (`scripts/bench_common.py`), tuning, ladder and budget scripts share it.
+record or the new one). Benchmarks (`diloco.bench.common`), tuning, ladder and budget scripts share it.
 """
 
 from __future__ import annotations

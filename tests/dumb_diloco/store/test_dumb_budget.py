@@ -5,9 +5,6 @@ into the lease heartbeat. The old check counted node uploads only (no publicatio
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from dumb_helpers import Spy, make_loop, settings
 
@@ -21,9 +18,7 @@ from diloco.dumb_diloco.store.budget import (
 )
 from diloco.dumb_diloco.store.transport import DirectoryTransport
 from diloco.dumb_diloco.wire.repo_paths import GLOBAL_LEDGER_PATH, LEASE_PATH
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
-from diloco.experiments.plan import PlanError, check_run, commit_budget_line, compose_experiment  # noqa: E402
+from diloco.experiments.plan import PlanError, check_run, commit_budget_line, compose_experiment
 
 PAPER = ["150m/dumb_diloco_8n_h500", "1b/dumb_diloco_4n_h125"]
 
