@@ -23,9 +23,8 @@ import argparse
 import json
 from pathlib import Path
 
-from diloco.experiments import records
+from diloco.experiments import records, sweep
 from diloco.experiments.plan import compose_experiment, num_parameters
-from diloco.experiments.plan import unique_train_tokens as plan_unique_tokens
 from diloco.experiments.run import run_local
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,10 +39,6 @@ def overrides(size: str, seed: int, extra: list[str] = ()) -> list[str]:
 
 def run_dir(runs: Path, size: str, seed: int) -> Path:
     return runs / f"{size}-s{seed}"
-
-
-def unique_train_tokens(size: str) -> int:
-    return plan_unique_tokens(compose_experiment(METHODS["ddp"], overrides(size, 0)).data)
 
 
 def read_run(runs: Path, size: str, seed: int, method: str, extra: dict | None = None) -> dict:
@@ -151,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 for m, experiment in METHODS.items():
                     run_local(experiment, run_dir(args.runs, size, seed), overrides(size, seed, extra[m]))
     rungs = [rung(args.runs, size, args.seeds, extra) for size in args.sizes]
-    unique = unique_train_tokens(args.sizes[0])
+    unique = sweep.unique_tokens_of(args.sizes[0])
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
         **records.provenance("python scripts/ladder.py --runs " + str(args.runs)),

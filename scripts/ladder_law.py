@@ -5,7 +5,7 @@ perplexity beside what the DiLoCo scaling-law fit predicts at each size.
     python scripts/ladder_law.py --runs runs/tune-law                 # sweeps, then the finals (skips done runs)
     python scripts/ladder_law.py --runs runs/tune-law --report-only   # results/ladder-law from the runs
 
-Every rung trains in `tune_law.REGIME` (1,560 steps = 52 outer rounds at H=30, warmup 100 + cosine, fresh
+Every rung trains in `diloco.experiments.law.REGIME` (1,560 steps = 52 outer rounds at H=30, warmup 100 + cosine, fresh
 packed data) with the per-worker batch scaled so each size reads 10-12 tokens per parameter where 2 idle CPU cores allow
 it, and 5.8 at the largest rung (9 sequences per worker, for 10.4, would take about 3 of the issue's hours
 alone: its sweep and finals are 12 runs of about 12 minutes each; 5 sequences halve that):
@@ -20,7 +20,7 @@ Per size and method, the sweep runs three inner learning rates at seed 1337 on t
 (`data.eval_subset=tune`); when the best is at an edge of the grid one more point past it is run. The
 best lr of each method then runs at every seed on the reported half (`report`). DiLoCo uses the study's
 outer optimizer (lr 0.6, Nesterov 0.9) at every size: the study swept it per worker count, not per size.
-At the family's size the sweep's runs are `tune_law`'s stage 1 (same names, same folder: not rerun), and
+At the family's size the sweep's runs are scripts/tune_law.py's stage 1 (same names, same folder: not rerun), and
 the finals are `make replicate-tiny-law`'s runs (`--family-runs`, one folder per seed) where the family's
 config is the ladder's setting (the same lr, the study's outer optimizer); otherwise they run here.
 """
@@ -32,11 +32,10 @@ import json
 import math
 from pathlib import Path
 
-import tune_law
 import yaml
-from ladder import unique_train_tokens
 
-from diloco.experiments import records
+from diloco.experiments import law as law_regime
+from diloco.experiments import records, sweep
 from diloco.experiments.plan import compose_experiment, num_parameters
 from diloco.experiments.run import run_local
 from diloco.scaling_law import LossGapLaw, from_reference
@@ -44,7 +43,7 @@ from diloco.scaling_law import LossGapLaw, from_reference
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"ladder_0_13m": 2, "2m": 4, "micro": 5}  # model -> sequences per worker per step
 METHODS = {"ddp": "tiny/ddp_mx", "diloco": "tiny/diloco_fp32"}
-LRS = (2e-3, 4e-3, 8e-3)
+LRS = law_regime.LRS
 WORKERS = 4
 FAMILY = {"ddp": "tiny_law/ddp_mx", "diloco": "tiny_law/diloco_fp32"}  # the 2m rung's finals, when the same
 
@@ -57,19 +56,19 @@ def batch(method: str, per_worker: int) -> list[str]:
 
 def setting(method: str, lr: float) -> tuple[str, list[str]]:
     if method == "diloco":
-        return tune_law.diloco(lr, *tune_law.STUDY_OUTER)
+        return law_regime.diloco(lr, *law_regime.STUDY_OUTER)
     return f"lr{lr:g}", [f"optim.lr={lr}"]
 
 
 def run_name(size: str, method: str, lr: float, seed: int, subset: str) -> str:
-    name = tune_law.run_name(METHODS[method], setting(method, lr)[0], seed)
+    name = law_regime.SWEEP.run_name(METHODS[method], setting(method, lr)[0], seed)
     if size != "2m":
         name = name.replace("law-", f"law-{size}-", 1)
     return name if subset == "tune" else f"{name}-{subset}"
 
 
 def overrides(size: str, method: str, lr: float, seed: int, subset: str) -> list[str]:
-    regime = [o for o in tune_law.REGIME if not o.startswith(("model=", "data.eval_subset="))]
+    regime = [o for o in law_regime.REGIME if not o.startswith(("model=", "data.eval_subset="))]
     return [
         *regime,
         f"model={size}",
@@ -82,12 +81,7 @@ def overrides(size: str, method: str, lr: float, seed: int, subset: str) -> list
 
 
 def read(runs: Path, name: str) -> dict | None:
-    path = runs / name / "summary.json"
-    if not path.exists():
-        return None
-    s = records.clean_summary(path, tune_law.STEPS)
-    keys = ("final_eval_loss", "final_eval_perplexity", "tokens_seen", "wall_seconds", "git_commit")
-    return {k: s[k] for k in keys}
+    return sweep.read_final(runs / name / "summary.json", law_regime.STEPS)
 
 
 def ensure(runs: Path, size: str, method: str, lr: float, seed: int, subset: str, dry: bool) -> dict | None:
@@ -105,7 +99,7 @@ def family_final(family_runs: Path | None, method: str, lr: float, seed: int) ->
     if cfg.optim.lr != lr:
         return None
     outer = (cfg.distributed.get("outer_lr"), cfg.distributed.get("outer_momentum"))
-    if method == "diloco" and outer != tune_law.STUDY_OUTER:
+    if method == "diloco" and outer != law_regime.STUDY_OUTER:
         return None
     return read(family_runs / f"s{seed}", cfg.run_name)
 
@@ -117,7 +111,7 @@ def final(runs: Path, size: str, method: str, lr: float, seed: int, dry: bool, f
     return ensure(runs, size, method, lr, seed, "report", dry)
 
 
-def sweep(runs: Path, size: str, method: str, seed: int, dry: bool) -> dict:
+def lr_sweep(runs: Path, size: str, method: str, seed: int, dry: bool) -> dict:
     """lr -> the tuning half's final loss; extended one point past an edge that wins."""
     lrs = list(LRS)
     losses = {}
@@ -130,7 +124,7 @@ def sweep(runs: Path, size: str, method: str, seed: int, dry: bool) -> dict:
         if len(done) < len(losses):
             return {"losses": losses, "best": None}
         best = min(done, key=done.get)
-        edge = best * 2 if best == max(lrs) else best / 2 if best == min(lrs) else None
+        edge = sweep.past_the_edge(best, lrs)
         if edge is None or len(lrs) > len(LRS):  # at most one extension
             return {"losses": losses, "best": best}
         lrs.append(edge)
@@ -141,7 +135,7 @@ def regime(size: str) -> dict:
     cfg = compose_experiment(METHODS["ddp"], overrides(size, "ddp", LRS[0], 0, "tune"))
     params = num_parameters(cfg.model)
     tokens = cfg.train.max_steps * cfg.train.batch_size * cfg.data.seq_len  # the M workers' tokens
-    unique = unique_train_tokens(size)
+    unique = sweep.unique_tokens_of(size)
     diloco = compose_experiment(METHODS["diloco"], overrides(size, "diloco", LRS[0], 0, "tune"))
     rounds = diloco.train.max_steps // diloco.distributed.inner_steps
     return {
@@ -159,7 +153,7 @@ def rung(runs: Path, size: str, seeds: list[int], law, dry: bool, family_runs: P
     params = data["parameters"]
     out = {"size": size, "parameters": params, "regime": data, "sweeps": {}, "finals": {}}
     for method in METHODS:
-        out["sweeps"][method] = sweep(runs, size, method, seeds[0], dry)
+        out["sweeps"][method] = lr_sweep(runs, size, method, seeds[0], dry)
         best = out["sweeps"][method]["best"]
         out["finals"][method] = [
             None if best is None else final(runs, size, method, best, s, dry, family_runs) for s in seeds
@@ -291,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
         **records.provenance(f"python scripts/ladder_law.py --runs {args.runs}"),
-        "regime_overrides": tune_law.REGIME,
+        "regime_overrides": list(law_regime.REGIME),
         "seeds": args.seeds,
         "rungs": rungs,
         "trend": trend(rungs, law),

@@ -11,7 +11,7 @@ its worst (+329%), so the outer lr and momentum are the first thing to tune for 
 H=30, 52 rounds, inner lr 2e-3) at the outer optimizers of `OUTER`, and non-overlapped Streaming P=4 at
 the family's 0.5 / 0.8 as the reference, every run at 2 seeds and evaluated on `data.eval_subset=tune`
 (the family reports `report`). Where the best outer lr is an edge of the grid at its momentum, one more
-point past it joins. Runs are named and read like scripts/tune_law.py's.
+point past it joins. Runs are named and read like scripts/tune_law.py's (`diloco.experiments.sweep`).
 """
 
 from __future__ import annotations
@@ -19,27 +19,18 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ladder import unique_train_tokens
-from tune_law import STEPS, rows_of, run_name, table
+from diloco.experiments import law, records, sweep
 
-from diloco.experiments import records
-from diloco.experiments.run import run_local
-
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = records.ROOT
 EAGER, STREAM = "tiny_law/diloco_stream_p4_eager", "tiny_law/diloco_stream_p4"
-REGIME = ["data.eval_subset=tune", "launch.reference=null", "launch.family=tiny-law-eager-tune"]
+REGIME = ("data.eval_subset=tune", "launch.reference=null", "launch.family=tiny-law-eager-tune")
 OUTER = [(0.5, 0.8), (0.25, 0.8), (0.5, 0.5), (0.5, 0.0), (1.0, 0.0)]  # (outer lr, Nesterov momentum)
+SWEEP = sweep.Sweep("law", law.STEPS, REGIME)
 
 
-def setting(outer_lr: float, momentum: float) -> tuple[str, list[str]]:
+def setting(outer_lr: float, momentum: float) -> sweep.Setting:
     keys = {"outer_lr": outer_lr, "outer_momentum": momentum}
     return f"o{outer_lr:g}-m{momentum:g}", [f"distributed.{k}={v}" for k, v in keys.items()]
-
-
-def run(runs: Path, experiment: str, outer: tuple[float, float], seed: int) -> None:
-    name, keys = setting(*outer)
-    overrides = [*REGIME, *keys, f"run_name={run_name(experiment, name, seed)}", f"seed={seed}"]
-    run_local(experiment, runs, overrides)
 
 
 def extended(rows: list[dict]) -> list[tuple[float, float]]:
@@ -67,25 +58,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
     if not args.report_only:
-        for seed in args.seeds:
-            for outer in OUTER:
-                run(args.runs, EAGER, outer, seed)
-            run(args.runs, STREAM, (0.5, 0.8), seed)
-        for outer in extended(rows_of(args.runs, grid(OUTER), args.seeds))[len(OUTER) :]:
-            for seed in args.seeds:
-                run(args.runs, EAGER, outer, seed)
-    outers = extended(rows_of(args.runs, grid(OUTER), args.seeds))
-    rows = rows_of(args.runs, grid(outers), args.seeds)
-    unique = unique_train_tokens("2m")
-    regime = records.tuning_regime(rows, unique, f"{STEPS} steps ({STEPS // 30} outer rounds at H=30); ")
+        SWEEP.run(args.runs, grid(OUTER), args.seeds)
+        more = extended(SWEEP.rows(args.runs, grid(OUTER), args.seeds))[len(OUTER) :]
+        SWEEP.run(args.runs, {EAGER: [setting(*o) for o in more]}, args.seeds)
+    rows = SWEEP.rows(args.runs, grid(extended(SWEEP.rows(args.runs, grid(OUTER), args.seeds))), args.seeds)
+    unique = sweep.unique_tokens_of("2m")
+    regime = records.tuning_regime(
+        rows, unique, f"{law.STEPS} steps ({law.STEPS // 30} outer rounds at H=30); "
+    )
     record = {
         **records.provenance(f"python scripts/tune_eager.py --runs {args.runs}"),
-        "regime_overrides": REGIME,
+        "regime_overrides": list(REGIME),
         "seeds": args.seeds,
         "unique_train_tokens": unique,
         "rows": rows,
     }
-    records.write_tuning_record(args.out, record, regime + table(rows, args.seeds))
+    records.write_tuning_record(args.out, record, regime + sweep.table(rows, args.seeds))
     return 0
 
 

@@ -6,7 +6,7 @@ then DiLoCo's outer optimizer, every setting at 2 seeds, judged on the tuning ha
     python scripts/tune_law.py --runs runs/tune-law --report-only   # results/tiny-law-tuning from the runs
     python scripts/tune_law.py --runs runs/tune-law --restore       # the record's finished runs, then go on
 
-The regime (`REGIME` below) is the one Charles et al. 2025 (arXiv 2503.09799) measured their scaling law
+The regime (`diloco.experiments.law`) is the one Charles et al. 2025 (arXiv 2503.09799) measured their scaling law
 in, scaled to 2 CPU cores: M=4 workers, H=30, more than 50 outer rounds (1,560 inner steps = 52 rounds),
 about 12 tokens per parameter (the `2m` model: 262,464 parameters; 3.2M tokens for the M-worker runs,
 0.42 epochs of the sample, every token read once), warmup 100 steps then cosine to the end. The 4x-batch
@@ -24,162 +24,19 @@ on `data.eval_subset=tune` (odd-numbered validation documents); the family repor
 from __future__ import annotations
 
 import argparse
-import json
-import math
 from pathlib import Path
 
-from ladder import unique_train_tokens
+from diloco.experiments import law, records, sweep
 
-from diloco.experiments import records
-from diloco.experiments.run import run_local
-
-ROOT = Path(__file__).resolve().parents[1]
-STEPS = 1560  # 52 outer rounds at H=30
-REGIME = [
-    "model=2m",
-    "data.packing=true",
-    "data.eval_subset=tune",
-    f"optim.total_steps={STEPS}",
-    f"train.max_steps={STEPS}",
-    "optim.warmup_steps=100",
-    "train.eval_every=120",
-    "train.log_every=30",
-    "launch.reference=null",
-    "launch.family=tiny-law-tune",
-]
-BATCH = {  # sequences of 128 tokens per step (per worker for DiLoCo), and per micro-batch
-    "tiny/ddp_1x": ["train.batch_size=4", "train.micro_batch_size=4"],
-    "tiny/ddp_mx": ["train.batch_size=16", "train.micro_batch_size=8"],
-    "tiny/diloco_fp32": ["train.batch_size=4", "train.micro_batch_size=4"],
-}
-LRS = (2e-3, 4e-3, 8e-3)
-STUDY_OUTER = (0.6, 0.9)  # the study's best constant outer lr for M=4, with Nesterov momentum 0.9
-OUTER = [(0.5, 0.8), (1.0, 0.0)]
+ROOT = records.ROOT
 
 
-def diloco(lr: float, outer_lr: float, momentum: float) -> tuple[str, list[str]]:
-    keys = {"inner_steps": 30, "outer_lr": outer_lr, "outer_momentum": momentum}
-    name = f"lr{lr:g}-h30-o{outer_lr}-m{momentum}"
-    return name, [f"optim.lr={lr}", *(f"distributed.{k}={v}" for k, v in keys.items())]
-
-
-def inner_setting(experiment: str, lr: float) -> tuple[str, list[str]]:
-    if experiment == "tiny/diloco_fp32":
-        return diloco(lr, *STUDY_OUTER)
-    return f"lr{lr:g}", [f"optim.lr={lr}"]
-
-
-def inner_lrs(runs: Path, experiment: str, seed: int) -> list[float]:
-    """The grid of one method: LRS, plus one point past an edge that wins at `seed` (the first seed)."""
-    lrs = list(LRS)
-    got = {
-        lr: read(runs, experiment, run_name(experiment, inner_setting(experiment, lr)[0], seed)) for lr in lrs
-    }
-    if any(g is None for g in got.values()):
-        return lrs
-    best = min(lrs, key=lambda lr: got[lr]["final_eval_loss"])
-    if best == max(lrs):
-        lrs.append(best * 2)
-    elif best == min(lrs):
-        lrs.insert(0, best / 2)
-    return lrs
-
-
-def run_name(experiment: str, setting: str, seed: int) -> str:
-    return f"law-{experiment.split('/')[1]}-{setting}-s{seed}"
-
-
-def overrides(experiment: str, setting: list[str], seed: int) -> list[str]:
-    name = run_name(experiment, setting[0], seed)
-    return [*REGIME, *BATCH[experiment], *setting[1], f"run_name={name}", f"seed={seed}"]
-
-
-def read(runs: Path, experiment: str, name: str) -> dict | None:
-    path = runs / name / "summary.json"
-    if not path.exists():
-        return None
-    s = records.clean_summary(path, STEPS)
+def inner_grid(runs: Path, seed: int | None) -> dict:
+    """Stage 1's grid: each method's inner lrs (extended past a winning edge at `seed` once it has run)."""
     return {
-        k: s[k]
-        for k in ("final_eval_perplexity", "final_eval_loss", "tokens_seen", "wall_seconds", "git_commit")
+        e: [law.inner_setting(e, lr) for lr in (law.LRS if seed is None else law.inner_lrs(runs, e, seed))]
+        for e in law.BATCH
     }
-
-
-def rows_of(runs: Path, grid: dict, seeds: list[int]) -> list[dict]:
-    """One row per setting: each seed's final loss and perplexity on the tuning half, the mean and the
-    spread (max - min) of the loss; None until every seed has run."""
-    rows = []
-    for experiment, settings in grid.items():
-        for setting, _ in settings:
-            got = [read(runs, experiment, run_name(experiment, setting, s)) for s in seeds]
-            done = all(g is not None for g in got)
-            loss = [g["final_eval_loss"] if g else None for g in got]
-            rows.append(
-                {
-                    "experiment": experiment,
-                    "setting": setting,
-                    "loss_per_seed": loss,
-                    "ppl_per_seed": [g["final_eval_perplexity"] if g else None for g in got],
-                    "mean_loss": sum(loss) / len(loss) if done else None,
-                    "spread_loss": max(loss) - min(loss) if done else None,
-                    "runs": got,
-                }
-            )
-    return rows
-
-
-def table(rows: list[dict], seeds: list[int]) -> str:
-    """Each method's settings ranked by mean loss (incomplete ones last)."""
-    lines = []
-    for experiment in dict.fromkeys(r["experiment"] for r in rows):
-        mine = [r for r in rows if r["experiment"] == experiment]
-        mine.sort(key=lambda r: math.inf if r["mean_loss"] is None else r["mean_loss"])
-        cols = " | ".join(f"seed {s} loss (ppl)" for s in seeds)
-        lines += [f"\n### {experiment}\n", f"| rank | setting | {cols} | mean loss | spread |"]
-        lines.append("|---" * (len(seeds) + 4) + "|")
-        for i, r in enumerate(mine, 1):
-            per = " | ".join(
-                "-" if x is None else f"{x:.4f} ({p:.2f})"
-                for x, p in zip(r["loss_per_seed"], r["ppl_per_seed"])
-            )
-            mean = "-" if r["mean_loss"] is None else f"{r['mean_loss']:.4f}"
-            spread = "-" if r["spread_loss"] is None else f"{r['spread_loss']:.4f}"
-            rank = "-" if r["mean_loss"] is None else str(i)
-            lines.append(f"| {rank} | {r['setting']} | {per} | {mean} | {spread} |")
-    return "\n".join(lines) + "\n"
-
-
-def best_diloco_lr(rows: list[dict]) -> float | None:
-    """DiLoCo's inner lr with the lowest mean loss, once every point of its grid has every seed."""
-    mine = [r for r in rows if r["experiment"] == "tiny/diloco_fp32"]
-    if not mine or any(r["mean_loss"] is None for r in mine):
-        return None
-    best = min(mine, key=lambda r: r["mean_loss"])
-    return float(best["setting"].split("-")[0].removeprefix("lr"))
-
-
-def restore(runs: Path, record: Path) -> int:
-    """For every finished run of a committed record (`summary.json` of results/tiny-law-tuning) whose folder
-    is not in `runs`, a summary.json with what the record kept of it, so that the tuning goes on where the
-    record stopped (run folders are not committed). Returns how many were written."""
-    d, written = json.loads(record.read_text()), 0
-    for row in d["rows"]:
-        for seed, run in zip(d["seeds"], row["runs"]):
-            folder = runs / run_name(row["experiment"], row["setting"], seed)
-            if run is None or (folder / "summary.json").exists():
-                continue
-            folder.mkdir(parents=True, exist_ok=True)
-            kept = {**run, "step": STEPS, "status": "completed", "restored_from": str(record)}
-            (folder / "summary.json").write_text(json.dumps(kept, indent=1) + "\n")
-            written += 1
-    return written
-
-
-def run_grid(runs: Path, grid: dict, seeds: list[int]) -> None:
-    for seed in seeds:  # every setting at the first seed, then the next seed
-        for experiment, settings in grid.items():
-            for setting in settings:
-                run_local(experiment, runs, overrides(experiment, setting, seed))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,33 +49,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restore", action="store_true", help="first restore the finished runs of --out's record")
     args = p.parse_args(argv)
     if args.restore:
-        print(
-            f"restored {restore(args.runs, args.out / 'summary.json')} runs from {args.out / 'summary.json'}"
-        )
+        restored = law.SWEEP.restore(args.runs, args.out / "summary.json")
+        print(f"restored {restored} runs from {args.out / 'summary.json'}")
     if not args.report_only:  # the first seed's sweep, its extension, then the other seeds
-        run_grid(args.runs, {e: [inner_setting(e, lr) for lr in LRS] for e in BATCH}, args.seeds[:1])
-        grid = {e: [inner_setting(e, lr) for lr in inner_lrs(args.runs, e, args.seeds[0])] for e in BATCH}
-        run_grid(args.runs, grid, args.seeds)
-    grid = {e: [inner_setting(e, lr) for lr in inner_lrs(args.runs, e, args.seeds[0])] for e in BATCH}
-    rows = rows_of(args.runs, grid, args.seeds)
-    lr = best_diloco_lr(rows)
-    outer = {"tiny/diloco_fp32": [diloco(lr, *o) for o in OUTER]} if lr is not None else {}
+        law.SWEEP.run(args.runs, inner_grid(args.runs, None), args.seeds[:1])
+        law.SWEEP.run(args.runs, inner_grid(args.runs, args.seeds[0]), args.seeds)
+    rows = law.SWEEP.rows(args.runs, inner_grid(args.runs, args.seeds[0]), args.seeds)
+    lr = law.best_diloco_lr(rows)
+    outer = {"tiny/diloco_fp32": [law.diloco(lr, *o) for o in law.OUTER]} if lr is not None else {}
     if outer and args.stage == "all" and not args.report_only:
-        run_grid(args.runs, outer, args.seeds)
-    rows += rows_of(args.runs, outer, args.seeds)
-    unique = unique_train_tokens("2m")
-    detail = f"{STEPS} steps (DiLoCo: {STEPS // 30} outer rounds at H=30); "
-    regime = records.tuning_regime(rows, unique, detail)
+        law.SWEEP.run(args.runs, outer, args.seeds)
+    rows += law.SWEEP.rows(args.runs, outer, args.seeds)
+    unique = sweep.unique_tokens_of("2m")
+    detail = f"{law.STEPS} steps (DiLoCo: {law.STEPS // 30} outer rounds at H=30); "
     record = {
         **records.provenance(f"python scripts/tune_law.py --runs {args.runs} --stage {args.stage}"),
-        "regime_overrides": REGIME,
-        "batch_overrides": BATCH,
+        "regime_overrides": list(law.REGIME),
+        "batch_overrides": {e: list(b) for e, b in law.BATCH.items()},
         "seeds": args.seeds,
         "unique_train_tokens": unique,
         "diloco_best_inner_lr": lr,
         "rows": rows,
     }
-    records.write_tuning_record(args.out, record, regime + table(rows, args.seeds))
+    text = records.tuning_regime(rows, unique, detail) + sweep.table(rows, args.seeds)
+    records.write_tuning_record(args.out, record, text)
     return 0
 
 

@@ -13,7 +13,8 @@ family's reports use the other half (`report`), so nothing is selected on the nu
 grid puts plain averaging (outer lr 1, momentum 0) beside the paper's outer optimizer (0.7 / 0.9) and the
 earlier sweep's choice (0.5 / 0.8), at H = 10, 25 and 50, and gives the baselines three learning rates
 around the family's 2e-3 (DiLoCo's inner learning rate stays 2e-3). The record ranks the settings of each
-method by their mean over seeds and shows each seed's perplexity and the spread (max - min).
+method by their mean over seeds and shows each seed's perplexity and the spread (the range, max - min).
+Runs go through `diloco.experiments.sweep`.
 """
 
 from __future__ import annotations
@@ -21,18 +22,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ladder import unique_train_tokens
+from diloco.experiments import records, sweep
 
-from diloco.experiments import records
-from diloco.experiments.plan import compose_experiment
-from diloco.experiments.run import run_local
-
-ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["data.packing=true", "data.eval_subset=tune", "launch.reference=null", "launch.family=tiny-tune"]
+ROOT = records.ROOT
+COMMON = ("data.packing=true", "data.eval_subset=tune", "launch.reference=null", "launch.family=tiny-tune")
 LRS = (1e-3, 2e-3, 4e-3)
+KEYS = ("final_eval_perplexity", "tokens_seen", "wall_seconds", "git_commit")
+SWEEP = sweep.Sweep("tune", None, COMMON, keys=KEYS)  # each experiment's own steps (400)
 
 
-def outer(h: int, lr: float, m: float) -> tuple[str, list[str]]:
+def outer(h: int, lr: float, m: float) -> sweep.Setting:
     """One DiLoCo / DumbDiLoCo setting: its name and its overrides."""
     keys = {"inner_steps": h, "outer_lr": lr, "outer_momentum": m}
     return f"h{h}-lr{lr}-m{m}", [f"distributed.{k}={v}" for k, v in keys.items()]
@@ -50,22 +49,18 @@ GRID = {  # experiment -> settings (name, overrides)
 }
 
 
-def run_name(experiment: str, setting: str, seed: int) -> str:
-    return f"tune-{experiment.split('/')[1]}-{setting}-s{seed}"
-
-
-def overrides(experiment: str, setting: list[str], name: str, seed: int) -> list[str]:
-    return [*COMMON, *setting, f"run_name={name}", f"seed={seed}"]
-
-
-def read(runs: Path, experiment: str, name: str) -> dict | None:
-    cfg = compose_experiment(experiment, [])
-    master = "-node-0" if cfg.distributed.mode == "dumb_diloco" else ""  # the final global's evaluation
-    path = runs / f"{name}{master}" / "summary.json"
-    if not path.exists():
-        return None
-    s = records.clean_summary(path, cfg.train.max_steps)
-    return {k: s[k] for k in ("final_eval_perplexity", "tokens_seen", "wall_seconds", "git_commit")}
+def ppl_row(experiment: str, setting: str, got: list[dict | None]) -> dict:
+    """A setting's perplexity per seed, their mean and range (max - min), None until every seed ran."""
+    ppl = [None if g is None else g["final_eval_perplexity"] for g in got]
+    done = None not in ppl
+    return {
+        "experiment": experiment,
+        "setting": setting,
+        "per_seed": ppl,
+        "mean": sum(ppl) / len(ppl) if done else None,
+        "spread": max(ppl) - min(ppl) if done else None,
+        "runs": got,
+    }
 
 
 def table(rows: list[dict], seeds: list[int]) -> str:
@@ -95,34 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     grid = {e: GRID[e] for e in args.experiments}
     if not args.report_only:
-        for seed in args.seeds:  # every setting at the first seed, then the next seed
-            for experiment, settings in grid.items():
-                for setting, extra in settings:
-                    name = run_name(experiment, setting, seed)
-                    run_local(experiment, args.runs, overrides(experiment, extra, name, seed))
-    rows = []
-    for experiment, settings in grid.items():
-        for setting, _ in settings:
-            got = [read(args.runs, experiment, run_name(experiment, setting, s)) for s in args.seeds]
-            ppl = [None if g is None else g["final_eval_perplexity"] for g in got]
-            done = [x for x in ppl if x is not None]
-            rows.append(
-                {
-                    "experiment": experiment,
-                    "setting": setting,
-                    "per_seed": ppl,
-                    "mean": sum(done) / len(done) if len(done) == len(ppl) else None,
-                    "spread": max(done) - min(done) if len(done) == len(ppl) else None,
-                    "runs": got,
-                }
-            )
-    unique = unique_train_tokens("micro")
+        SWEEP.run(args.runs, grid, args.seeds)
+    rows = [
+        ppl_row(e, name, [SWEEP.read(args.runs, e, name, s) for s in args.seeds])
+        for e, settings in grid.items()
+        for name, _ in settings
+    ]
+    unique = sweep.unique_tokens_of("micro")
     regime = records.tuning_regime(rows, unique)
     record = {
         **records.provenance(
             f"python scripts/tune_tiny.py --runs {args.runs} --experiments {' '.join(grid)}"
         ),
-        "common_overrides": COMMON,
+        "common_overrides": list(COMMON),
         "seeds": args.seeds,
         "unique_train_tokens": unique,
         "rows": rows,

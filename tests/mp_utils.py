@@ -37,6 +37,21 @@ QUIET_ENV = {
 }
 
 
+# `diloco.train` under torchrun with 2 ranks on this node. --standalone: torchrun's agent binds its
+# rendezvous store to port 0 and keeps it, and the ranks join it as clients, so no port is picked,
+# released and bound again (a race with other processes under load).
+TORCHRUN_TRAIN_2 = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc_per_node",
+    "2",
+    "-m",
+    "diloco.train",
+]
+
+
 def rank_env(rank: int, world: int, per_node: int, port: int) -> dict[str, str]:
     return {
         **os.environ,

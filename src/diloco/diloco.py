@@ -148,6 +148,32 @@ class _InFlight:
         return self.grads
 
 
+# The typed block's fields the constructor takes, by name (`from_config`; tests build from a composed config).
+CONFIG_KEYS = (
+    "inner_steps",
+    "outer_lr",
+    "outer_momentum",
+    "nesterov",
+    "pseudo_grad_dtype",
+    "fp16_scaling",
+    "error_feedback",
+    "quant_block_size",
+    "topk_density",
+    "topk_chunk",
+    "topk_normalize",
+    "topk_ef_decay",
+    "fragments",
+    "overlap_steps",
+    "fragment_alpha",
+    "eager_updates",
+    "global_copy_device",
+    "reset_inner_optimizer",
+    "bucket_size_mb",
+    "cosine_sample_size",
+    "cosine_sample_seed",
+)
+
+
 class DiLoCo:
     name = "diloco"
 
@@ -161,33 +187,12 @@ class DiLoCo:
         # DDP inside the worker; also checks that every rank holds the same shapes and initial weights
         inner = DataParallel(ctx, model, group=ctx.worker_group, bucket_cap_mb=dcfg.ddp_bucket_cap_mb)
         timeout = dcfg.timeout_seconds
-        keys = (
-            "inner_steps",
-            "outer_lr",
-            "outer_momentum",
-            "nesterov",
-            "pseudo_grad_dtype",
-            "fp16_scaling",
-            "error_feedback",
-            "quant_block_size",
-            "topk_density",
-            "topk_chunk",
-            "topk_normalize",
-            "topk_ef_decay",
-            "fragments",
-            "overlap_steps",
-            "fragment_alpha",
-            "eager_updates",
-            "global_copy_device",
-            "reset_inner_optimizer",
-            "bucket_size_mb",
-            "cosine_sample_size",
-            "cosine_sample_seed",
-        )
         values = dataclasses.asdict(dcfg)
         intra = comm.group_collective(ctx.worker_group, timeout)
         cross = collective if collective is not None else comm.group_collective(ctx.cross_group, timeout)
-        return cls(model, optimizer, cross, intra=intra, inner_strategy=inner, **{k: values[k] for k in keys})
+        return cls(
+            model, optimizer, cross, intra=intra, inner_strategy=inner, **{k: values[k] for k in CONFIG_KEYS}
+        )
 
     def __init__(
         self,

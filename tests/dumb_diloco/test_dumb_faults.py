@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
+from polling import wait_until
 
 TESTS = Path(__file__).resolve().parents[1]
 TOKEN = "hf_FaultTestTokenNeverLogged0123456789"
@@ -208,6 +209,9 @@ def proc_reader(repo: str, min_checks: int, min_steps: int) -> None:
 
 def _spawn(*args: str, log: Path) -> subprocess.Popen:
     env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )  # polling
     return subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), *map(str, args)],
         cwd=TESTS,
@@ -254,13 +258,6 @@ def finish(p: subprocess.Popen, log: Path, timeout: float = DEADLINE) -> dict:
     assert p.returncode == 0, text[-3000:]
     # the last JSON line: a daemon thread may still log a line after it while the process exits
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
-
-
-def wait_for(pred, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _ready(repo: str) -> bool:
@@ -348,20 +345,20 @@ def test_master_killed_mid_run_and_restarted_continues_exactly(tmp_path, kind):
     server, repo_id = _repo(tmp_path, kind)
     try:
         master = node(tmp_path, "master", repo_id, "m", lease=30)
-        wait_for(lambda: _ready(repo_id), DEADLINE, "the master's first global")
+        wait_until(lambda: _ready(repo_id), "the master's first global", DEADLINE)
         # the workers stop after step 24 (their 8th delta uploaded) until told to go on
         workers = [
             node(tmp_path, "worker", repo_id, f"w{i}", steps=45, seed=i + 1, pause_at=24) for i in (1, 2)
         ]
         repo = _transport(repo_id, create=False)
-        wait_for(
-            lambda: all((tmp_path / f"w{i}.paused").exists() for i in (1, 2)), DEADLINE, "the workers' pause"
+        wait_until(
+            lambda: all((tmp_path / f"w{i}.paused").exists() for i in (1, 2)), "the workers' pause", DEADLINE
         )
         # mid-run: 4 outer steps (the master's own deltas keep coming) with deltas of both workers in them
-        wait_for(
+        wait_until(
             lambda: published_step(repo) >= 4 and applied_nodes(repo) >= {"w1", "w2"},
-            DEADLINE,
             "4 outer steps with both workers' deltas",
+            DEADLINE,
         )
         master.send_signal(signal.SIGKILL)  # no close, no last save: wherever it was
         master.wait()
@@ -402,10 +399,10 @@ def test_second_master_refuses_while_the_lease_is_fresh_then_takes_over(tmp_path
     repo_dir = str(tmp_path / "repo")
     lease = 2.0  # m1's lease, and the taking-over m2's
     first = node(tmp_path, "master", repo_dir, "m1", lease=lease)
-    wait_for(
+    wait_until(
         lambda: (tmp_path / "repo").exists() and published_step(DirectoryTransport(repo_dir)) >= 0,
-        DEADLINE,
         "the first master",
+        DEADLINE,
     )
     # A master counts a lease as fresh for the longer of the holder's lease_seconds and its own: 300 s here,
     # so m1's lease is fresh when m2 looks, however long a loaded machine delays m1's heartbeats.
@@ -421,7 +418,7 @@ def test_second_master_refuses_while_the_lease_is_fresh_then_takes_over(tmp_path
     assert m1_lease["master"] == "m1"
     m1_step = published_step(repo)
     w = node(tmp_path, "worker", repo_dir, "w1", steps=30, seed=3)
-    wait_for(lambda: time.time() - m1_lease["heartbeat"] > lease, DEADLINE, "m1's lease to expire")
+    wait_until(lambda: time.time() - m1_lease["heartbeat"] > lease, "m1's lease to expire", DEADLINE)
     # m2's seed differs from m1's (0): each step's noise is the seed's, so with m1's seed a delta of m2 can carry
     # the very payload of m1's delta at the same step, which the master rightly records as a duplicate
     second = node(tmp_path, "master", repo_dir, "m2", lease=lease, tag="-takeover", seed=2)
@@ -446,10 +443,10 @@ def test_transport_failing_every_third_call_never_stops_training(tmp_path):
 
     repo_dir = str(tmp_path / "repo")
     master = node(tmp_path, "master", repo_dir, "m", fail_every=3, seed=11)
-    wait_for(
+    wait_until(
         lambda: (tmp_path / "repo").exists() and published_step(DirectoryTransport(repo_dir)) >= 0,
-        DEADLINE,
         "the master",
+        DEADLINE,
     )
     workers = [
         node(tmp_path, "worker", repo_dir, f"w{i}", steps=30, fail_every=3, seed=20 + i) for i in (1, 2)
@@ -480,7 +477,7 @@ def test_reader_never_sees_global_and_step_count_out_of_step(tmp_path, kind, mon
     server, repo = _repo(tmp_path, kind)
     try:
         master = node(tmp_path, "master", repo, "m", lease=30)
-        wait_for(lambda: _ready(repo), DEADLINE, "the master's first global")
+        wait_until(lambda: _ready(repo), "the master's first global", DEADLINE)
         w = node(tmp_path, "worker", repo, "w1", steps=24, seed=5)
         # the reader reads until it compared 100 pairs and saw 3 outer steps (the master publishes a round of
         # its own deltas every few polls until it is stopped, so publications happen while it reads)
@@ -499,7 +496,6 @@ def test_reader_never_sees_global_and_step_count_out_of_step(tmp_path, kind, mon
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(TESTS))
     role, *rest = sys.argv[1:]
     if role == "node":
         r, repo, node_id, state_dir, stop, steps, fail_every, lease, seed, first, pause_at = rest

@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import ladder  # noqa: E402
 import tune_tiny  # noqa: E402
 
+from diloco.experiments import sweep  # noqa: E402
 from diloco.experiments.plan import compose_experiment  # noqa: E402
 
 
@@ -49,11 +50,13 @@ def test_a_ladder_run_from_a_dirty_tree_is_refused(tmp_path):
 
 
 def test_the_tuning_record_ranks_each_methods_settings_by_their_mean_over_seeds(tmp_path, monkeypatch):
-    monkeypatch.setattr(tune_tiny, "unique_train_tokens", lambda size: 7_675_719)
+    monkeypatch.setattr(sweep, "unique_tokens_of", lambda size: 7_675_719)
     for experiment, settings in tune_tiny.GRID.items():
         for i, (setting, _) in enumerate(settings):
             for seed, offset in ((1337, 0.0), (1, 2.0)):
-                summary(tmp_path / "runs" / tune_tiny.run_name(experiment, setting, seed), 50.0 + i + offset)
+                summary(
+                    tmp_path / "runs" / tune_tiny.SWEEP.run_name(experiment, setting, seed), 50.0 + i + offset
+                )
     assert (
         tune_tiny.main(["--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--report-only"])
         == 0

@@ -14,47 +14,47 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import ladder_law  # noqa: E402
-import tune_law  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from diloco.experiments import law, sweep  # noqa: E402
 from diloco.experiments.plan import compose_experiment, num_parameters  # noqa: E402
 
 
 def summary(runs: Path, name: str, loss: float, commit: str = "abc123") -> None:
     (runs / name).mkdir(parents=True)
-    s = {"step": tune_law.STEPS, "status": "completed", "final_eval_loss": loss}
+    s = {"step": law.STEPS, "status": "completed", "final_eval_loss": loss}
     s |= {"final_eval_perplexity": math.exp(loss), "tokens_seen": 3_194_880, "wall_seconds": 1.0}
     (runs / name / "summary.json").write_text(json.dumps({**s, "git_commit": commit}))
 
 
 def inner(runs: Path, experiment: str, losses: dict[float, float], seed: int) -> None:
     for lr, loss in losses.items():
-        summary(runs, tune_law.run_name(experiment, tune_law.inner_setting(experiment, lr)[0], seed), loss)
+        summary(runs, law.SWEEP.run_name(experiment, law.inner_setting(experiment, lr)[0], seed), loss)
 
 
 def test_a_winning_edge_adds_one_point_past_it_and_an_interior_best_adds_none(tmp_path):
     inner(tmp_path, "tiny/ddp_mx", {2e-3: 3.7, 4e-3: 3.6, 8e-3: 3.5}, 1337)
     inner(tmp_path, "tiny/diloco_fp32", {2e-3: 4.0, 4e-3: 4.1, 8e-3: 4.2}, 1337)
     inner(tmp_path, "tiny/ddp_1x", {2e-3: 4.3, 4e-3: 4.2, 8e-3: 4.25}, 1337)
-    assert tune_law.inner_lrs(tmp_path, "tiny/ddp_mx", 1337) == [2e-3, 4e-3, 8e-3, 1.6e-2]
-    assert tune_law.inner_lrs(tmp_path, "tiny/diloco_fp32", 1337) == [1e-3, 2e-3, 4e-3, 8e-3]
-    assert tune_law.inner_lrs(tmp_path, "tiny/ddp_1x", 1337) == [2e-3, 4e-3, 8e-3]
-    assert tune_law.inner_lrs(tmp_path, "tiny/ddp_1x", 1) == [2e-3, 4e-3, 8e-3]  # not run: no extension
+    assert law.inner_lrs(tmp_path, "tiny/ddp_mx", 1337) == [2e-3, 4e-3, 8e-3, 1.6e-2]
+    assert law.inner_lrs(tmp_path, "tiny/diloco_fp32", 1337) == [1e-3, 2e-3, 4e-3, 8e-3]
+    assert law.inner_lrs(tmp_path, "tiny/ddp_1x", 1337) == [2e-3, 4e-3, 8e-3]
+    assert law.inner_lrs(tmp_path, "tiny/ddp_1x", 1) == [2e-3, 4e-3, 8e-3]  # not run: no extension
 
 
 def test_settings_rank_by_mean_loss_over_seeds_and_the_best_diloco_lr_needs_every_seed(tmp_path):
     experiment = "tiny/diloco_fp32"
     inner(tmp_path, experiment, {1e-3: 4.05, 2e-3: 4.0, 4e-3: 4.1, 8e-3: 4.2}, 1337)
     inner(tmp_path, experiment, {1e-3: 4.01, 2e-3: 4.08, 4e-3: 4.1}, 1)
-    grid = {experiment: [tune_law.inner_setting(experiment, lr) for lr in (1e-3, 2e-3, 4e-3, 8e-3)]}
-    rows = tune_law.rows_of(tmp_path, grid, [1337, 1])
+    grid = {experiment: [law.inner_setting(experiment, lr) for lr in (1e-3, 2e-3, 4e-3, 8e-3)]}
+    rows = law.SWEEP.rows(tmp_path, grid, [1337, 1])
     assert rows[0]["mean_loss"] == pytest.approx(4.03) and rows[0]["spread_loss"] == pytest.approx(0.04)
     assert rows[3]["mean_loss"] is None  # seed 1 missing
-    assert tune_law.best_diloco_lr(rows) is None
+    assert law.best_diloco_lr(rows) is None
     inner(tmp_path, experiment, {8e-3: 4.3}, 1)
-    rows = tune_law.rows_of(tmp_path, grid, [1337, 1])
-    assert tune_law.best_diloco_lr(rows) == 1e-3  # 4.03 against 4.04: the mean decides, not seed 1337
-    table = tune_law.table(rows, [1337, 1])
+    rows = law.SWEEP.rows(tmp_path, grid, [1337, 1])
+    assert law.best_diloco_lr(rows) == 1e-3  # 4.03 against 4.04: the mean decides, not seed 1337
+    table = sweep.table(rows, [1337, 1])
     assert "| 1 | lr0.001-h30-o0.6-m0.9 | 4.0500 (57.40) | 4.0100 (55.15) | 4.0300 | 0.0400 |" in table
 
 
@@ -64,29 +64,29 @@ def test_a_record_restores_its_finished_runs_and_the_tuning_reads_them_back(tmp_
     experiment = "tiny/diloco_fp32"
     first = tmp_path / "first"
     inner(first, experiment, {1e-3: 4.05, 2e-3: 4.0, 4e-3: 4.1}, 1337)
-    grid = {experiment: [tune_law.inner_setting(experiment, lr) for lr in (1e-3, 2e-3, 4e-3, 8e-3)]}
+    grid = {experiment: [law.inner_setting(experiment, lr) for lr in (1e-3, 2e-3, 4e-3, 8e-3)]}
     record = tmp_path / "summary.json"
-    record.write_text(json.dumps({"seeds": [1337, 1], "rows": tune_law.rows_of(first, grid, [1337, 1])}))
+    record.write_text(json.dumps({"seeds": [1337, 1], "rows": law.SWEEP.rows(first, grid, [1337, 1])}))
     again = tmp_path / "again"
     inner(again, experiment, {2e-3: 3.9}, 1337)  # already here: kept
-    assert tune_law.restore(again, record) == 2
-    rows = tune_law.rows_of(again, grid, [1337, 1])
+    assert law.SWEEP.restore(again, record) == 2
+    rows = law.SWEEP.rows(again, grid, [1337, 1])
     assert [r["loss_per_seed"][0] for r in rows] == [4.05, 3.9, 4.1, None]
-    assert tune_law.restore(again, record) == 0
+    assert law.SWEEP.restore(again, record) == 0
 
 
 def test_a_run_from_a_dirty_tree_is_refused(tmp_path):
     summary(tmp_path, "x", 4.0, commit="abc-dirty")
     with pytest.raises(SystemExit, match="dirty"):
-        tune_law.read(tmp_path, "tiny/ddp_mx", "x")
+        sweep.read_final(tmp_path / "x" / "summary.json", law.STEPS)
 
 
 @pytest.mark.parametrize("method", ["ddp", "diloco"])
 @pytest.mark.parametrize("lr", [2e-3, 8e-3])
 def test_the_ladders_262k_rung_is_the_tunings_run(method, lr):
     experiment = ladder_law.METHODS[method]
-    setting = tune_law.inner_setting(experiment, lr)
-    tuning = compose_experiment(experiment, tune_law.overrides(experiment, setting, 1337))
+    setting = law.inner_setting(experiment, lr)
+    tuning = compose_experiment(experiment, law.SWEEP.overrides(experiment, setting, 1337))
     rung = compose_experiment(experiment, ladder_law.overrides("2m", method, lr, 1337, "tune"))
     assert rung.run_name == tuning.run_name == ladder_law.run_name("2m", method, lr, 1337, "tune")
     assert OmegaConf.to_container(rung) == OmegaConf.to_container(tuning)
@@ -128,8 +128,8 @@ def tuning_setting(family_cfg, experiment: str) -> tuple[str, list[str]]:
     """The tuning's setting (name, overrides) that a family config's values pick."""
     lr = family_cfg.optim.lr
     if experiment != "tiny/diloco_fp32":
-        return tune_law.inner_setting(experiment, lr)
-    return tune_law.diloco(lr, family_cfg.distributed.outer_lr, family_cfg.distributed.outer_momentum)
+        return law.inner_setting(experiment, lr)
+    return law.diloco(lr, family_cfg.distributed.outer_lr, family_cfg.distributed.outer_momentum)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY))
@@ -138,7 +138,7 @@ def test_the_family_trains_exactly_as_the_tuning_runs_of_its_chosen_setting(name
     runs' own training, evaluated on the other half."""
     family = compose_experiment(name, ["seed=1337", "out_dir=x"])
     setting = tuning_setting(family, FAMILY[name])
-    tuned = compose_experiment(FAMILY[name], [*tune_law.overrides(FAMILY[name], setting, 1337), "out_dir=x"])
+    tuned = compose_experiment(FAMILY[name], [*law.SWEEP.overrides(FAMILY[name], setting, 1337), "out_dir=x"])
     a, b = flat(family), flat(tuned)
     differ = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
     assert differ - set(NAMING) <= {"train.progress"}, differ
@@ -170,7 +170,7 @@ def test_the_ladders_262k_finals_are_the_familys_runs_when_their_setting_is_the_
     a, b = flat(family), flat(rung)
     differ = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
     same_outer = method == "ddp" or (
-        (family.distributed.outer_lr, family.distributed.outer_momentum) == tune_law.STUDY_OUTER
+        (family.distributed.outer_lr, family.distributed.outer_momentum) == law.STUDY_OUTER
     )
     if not same_outer:  # the family took stage 2's outer optimizer: the ladder runs its own finals
         assert ladder_law.family_final(tmp_path, method, lr, 1) is None
@@ -211,7 +211,7 @@ def test_the_law_regime_frontier_record_judges_every_run_the_family_makes():
     for experiment in FAMILIES["tiny-law-frontier"]:
         cfg = compose_experiment(experiment)
         assert cfg.run_name in judged | dumb, experiment
-        assert cfg.train.max_steps == tune_law.STEPS and cfg.model.name == "2m"
+        assert cfg.train.max_steps == law.STEPS and cfg.model.name == "2m"
     assert all("Nesterov 0.9" not in what for what, *_ in ca.FAMILIES["tiny-law-frontier"].values())
 
 

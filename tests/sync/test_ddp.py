@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
-from mp_utils import QUIET_ENV, ROOT
+from mp_utils import QUIET_ENV, ROOT, TORCHRUN_TRAIN_2
 from trainer_utils import SMALL, read_metrics
 
 from diloco import checkpoint
@@ -22,17 +21,8 @@ def test_ddp_under_torchrun_counts_bytes_and_keeps_ranks_identical(tmp_path):
     import os
 
     steps = 3
-    # --standalone: torchrun's agent binds its rendezvous store to port 0 and keeps it, and the ranks join it
-    # as clients, so no port is picked, released and bound again (a race with other processes under load)
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "diloco.train",
+        *TORCHRUN_TRAIN_2,
         *SMALL,
         "distributed=ddp",
         f"train.max_steps={steps}",

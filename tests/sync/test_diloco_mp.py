@@ -17,22 +17,9 @@ from omegaconf import OmegaConf
 
 from diloco.comm import InProcessGroup
 from diloco.config import check_distributed
-from diloco.diloco import DiLoCo
+from diloco.diloco import CONFIG_KEYS, DiLoCo
 
 STEPS, H, BATCH = 6, 3, 8  # 2 outer rounds; BATCH rows per worker per step
-HYPER_KEYS = (
-    "inner_steps",
-    "outer_lr",
-    "outer_momentum",
-    "nesterov",
-    "pseudo_grad_dtype",
-    "fp16_scaling",
-    "global_copy_device",
-    "reset_inner_optimizer",
-    "bucket_size_mb",
-    "cosine_sample_size",
-    "cosine_sample_seed",
-)
 
 
 class TinyModel(torch.nn.Module):
@@ -152,7 +139,7 @@ def in_process(workers: int, dtype: str, micro: int, **overrides):
     def body(w):
         try:
             opt = torch.optim.AdamW(models[w].parameters(), lr=1e-2)
-            algo = DiLoCo(models[w], opt, group.member(w), **{k: cfg[k] for k in HYPER_KEYS})
+            algo = DiLoCo(models[w], opt, group.member(w), **{k: cfg[k] for k in CONFIG_KEYS})
             records = train_tiny(algo, models[w], opt, w, 0, 1, micro)
             out[w] = {"weights": flat(models[w].parameters()), "records": records}
         except BaseException as e:
@@ -220,7 +207,7 @@ def hung_peer(ctx, timeout: float) -> dict:
 
     group = dist.new_group([0, 1], timeout=timedelta(seconds=timeout))
     model = TinyModel()
-    hyper = {k: diloco_cfg().distributed[k] for k in HYPER_KEYS}
+    hyper = {k: diloco_cfg().distributed[k] for k in CONFIG_KEYS}
     algo = DiLoCo(
         model, torch.optim.SGD(model.parameters(), lr=0.1), TorchCollective(group, timeout), **hyper
     )

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 from dumb_helpers import B0, LR, MU, W0, Spy, Tiny, g, make_loop, put_delta, settings
+from polling import wait_until
 
 from diloco.dumb_diloco.master.recovery import MasterState, lease_holder
 from diloco.dumb_diloco.node.strategy import DumbDiLoCo
@@ -41,14 +42,6 @@ def setup(tmp_path):
         repo, poll_interval=0.05, state_dir=tmp_path / "state", publish=True, on_snapshot=snapshots.append
     )
     return loop, repo, snapshots
-
-
-def wait_until(cond, timeout: float = 60.0) -> None:
-    """Poll `cond` until it holds; fail after `timeout` s (generous: only a failing test waits that long)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def published(repo):

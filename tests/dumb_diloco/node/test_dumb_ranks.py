@@ -146,20 +146,12 @@ def test_a_node_of_two_ranks_uploads_the_deltas_of_a_node_of_one_rank(tmp_path):
 
 def _torchrun(role: str, node_id: str, shard: int, repo_id: str, tmp_path: Path, env: dict, extra=()):
     import subprocess
-    import sys
 
-    from mp_utils import QUIET_ENV, ROOT
+    from mp_utils import QUIET_ENV, ROOT, TORCHRUN_TRAIN_2
     from trainer_utils import SMALL
 
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "diloco.train",
+        *TORCHRUN_TRAIN_2,
         *SMALL,
         "train.max_steps=20",
         "train.log_every=5",

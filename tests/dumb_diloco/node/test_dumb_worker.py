@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 from dumb_helpers import FakeClock, Tiny, nudge, publish, publish_raw, settings, worker
+from polling import wait_until
 
 from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import DumbDiLoCoError
@@ -235,7 +236,7 @@ def test_v2_boundary_with_upload_in_flight_is_skipped_and_nothing_is_lost(tmp_pa
             coord.on_step(step)
     assert coord.skipped_boundaries == 1 and "skipped" in caplog.text
     repo.block_writes.set()
-    _wait(lambda: not coord.uploading)
+    wait_until(lambda: not coord.uploading)
     for step in (7, 8, 9):
         nudge(model, 0.5)
         coord.on_step(step)
@@ -259,7 +260,7 @@ def test_v2_failed_upload_is_carried_even_across_an_install(tmp_path):
     publish(repo.inner, new, 1)
     coord.on_step(1), coord.on_step(2)
     assert coord.on_step(3).installed  # captured (job enqueued), then installed
-    _wait(lambda: not coord.uploading)
+    wait_until(lambda: not coord.uploading)
     nudge(model, 0.25)
     coord.on_step(4), coord.on_step(5), coord.on_step(6)
     coord.close()
@@ -295,7 +296,7 @@ def test_v2_reused_snapshot_buffers_give_exact_deltas_across_installs_and_failur
             new = {k: t + 2 if t.is_floating_point() else t for k, t in model.state_dict().items()}
             publish(repo.inner, new, 1)
         installed = coord.on_step(step).installed
-        _wait(lambda: not coord.uploading)
+        wait_until(lambda: not coord.uploading)
         coord.collect()
         carry = want if step == 4 else None
         if step != 4:
@@ -319,7 +320,7 @@ def test_v2_polls_in_the_background_and_installs_on_the_training_thread(tmp_path
     repo.calls.clear()
     clock.advance(2.0)
     coord.on_step(1)  # asks the poll lane
-    _wait(lambda: not coord.polling)
+    wait_until(lambda: not coord.polling)
     coord.on_step(2)  # collects the staged global, does not install it
     assert not torch.equal(model.w.detach(), new["w"])
     installed = coord.on_step(3).installed
@@ -327,13 +328,6 @@ def test_v2_polls_in_the_background_and_installs_on_the_training_thread(tmp_path
     coord.close()
     assert installed and torch.equal(model.w.detach(), new["w"])
     assert reads and all(t.startswith("dumb-diloco-poll") for t in reads)
-
-
-def _wait(cond, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 # ------------------------------------------------------------------ start-up and shutdown
