@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The one command to run on each node of a replication run. See --help.
+# Its own tool, longer than a wrapper: it runs before any Python (on a bare node, under SLURM or ssh),
+# so its options, environment fallbacks and the torchrun line are spelled out in shell here.
 set -euo pipefail
 
 usage() {

@@ -336,7 +336,6 @@ LONG_FUNCTIONS_LEFT = {
         "diloco/bench/outer_step.py: main",
         "diloco/bench/utilization.py: main",
     },
-    "scripts": {"report.py: main"},
 }
 
 

@@ -5,14 +5,12 @@ wall time; a run made from a dirty tree is refused; emulated step overruns are r
 from __future__ import annotations
 
 import json
-import sys
 from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import async_acceptance  # noqa: E402
+from diloco.experiments.studies import async_acceptance
 
 T0 = datetime(2026, 12, 2, 10, 0, 0)
 

@@ -24,6 +24,7 @@ from trainer_utils import compose_cfg
 
 from diloco.assets import asset_path
 from diloco.config import ConfigError, check_command_line, schedule_notice, validate
+from diloco.experiments import report as report_script
 from diloco.experiments import run as replicate
 from diloco.experiments.plan import compose_overrides, num_parameters
 from diloco.replication import check, load_runs
@@ -32,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import check as check_script  # noqa: E402
-import report as report_script  # noqa: E402
 
 
 def train(*overrides, env=None, timeout=180):

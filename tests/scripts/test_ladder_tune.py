@@ -11,11 +11,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-import ladder  # noqa: E402
 import tune_tiny  # noqa: E402
 
 from diloco.experiments import sweep  # noqa: E402
 from diloco.experiments.plan import compose_experiment  # noqa: E402
+from diloco.experiments.studies import ladder  # noqa: E402
 
 
 def summary(path: Path, ppl: float, commit: str = "abc123", step: int = 400) -> None:

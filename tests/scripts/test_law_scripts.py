@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
+
+from diloco.experiments import law, sweep
+from diloco.experiments.plan import compose_experiment, num_parameters
+from diloco.experiments.studies import budget_law, ladder_law
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import ladder_law  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from diloco.experiments import law, sweep  # noqa: E402
-from diloco.experiments.plan import compose_experiment, num_parameters  # noqa: E402
 
 
 def summary(runs: Path, name: str, loss: float, commit: str = "abc123") -> None:
@@ -202,9 +200,8 @@ def test_the_ladders_trend_recovers_a_known_slope_and_says_nothing_from_one_size
 def test_the_law_regime_frontier_record_judges_every_run_the_family_makes():
     """scripts/compression_acceptance.py's tiny-law-frontier rows name the runs `replicate.py --family
     tiny-law-frontier` makes (a renamed run would drop out of the record without a word)."""
-    import compression_acceptance as ca
-
     from diloco.experiments.run import FAMILIES
+    from diloco.experiments.studies import compression_acceptance as ca
 
     judged = {ca.BASES["tiny-law-frontier"], *ca.FAMILIES["tiny-law-frontier"]}
     dumb = {name.removesuffix("-node-0") for name in ca.DUMB_FAMILIES["tiny-law-frontier"][0].values()}
@@ -216,7 +213,6 @@ def test_the_law_regime_frontier_record_judges_every_run_the_family_makes():
 
 
 # ------------------------------------------------------------------------------------------ budget sweep
-import budget_law  # noqa: E402
 
 
 @pytest.mark.parametrize("budget", budget_law.BUDGETS)
