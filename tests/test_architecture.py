@@ -325,25 +325,9 @@ def test_no_fmt_skip(tree):
     assert format_skips(TREES[tree]) == []
 
 
-# Still too long (issue 43): benchmark mains that measure, tabulate and write in one function. The list
-# only shrinks: a function split to size must leave it, or this test fails.
-LONG_FUNCTIONS_LEFT = {
-    "src": {
-        "diloco/bench/aggregation.py: main",
-        "diloco/bench/boundary.py: main",
-        "diloco/bench/comm_volume.py: main",
-        "diloco/bench/gpu.py: main",
-        "diloco/bench/outer_step.py: main",
-        "diloco/bench/utilization.py: main",
-    },
-}
-
-
 @trees
 def test_functions_are_short(tree):
-    found = long_functions(TREES[tree])
-    named = {f"{f.split(':')[0]}: {f.split(': ')[1].split(' is ')[0]}" for f in found}
-    assert named == LONG_FUNCTIONS_LEFT.get(tree, set()), found  # none new, none split and still listed
+    assert long_functions(TREES[tree]) == []
 
 
 def test_scripts_never_import_tests():

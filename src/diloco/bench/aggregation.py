@@ -188,62 +188,11 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         repo = make_repo(root, layout, NODES)
         print(f"repository: {NODES} deltas of {numel / 1e6:.1f}M float32 in {time.perf_counter() - t0:.1f}s")
-        paths = [delta_path(f"n{n}", 1) for n in range(NODES)]
         file_bytes = sum(f.size for f in repo.list("nodes"))
-        buf = torch.zeros(numel)
-        floors, rounds, writes = [], [], []
-        for i in range(args.warmup + args.repeats):  # alternating, so both see the same machine
-            f = floor_pass(repo, paths, buf)
-            loop = outer_loop(repo, layout, NODES)
-            repo.write_seconds = 0.0
-            t1 = time.perf_counter()
-            r = loop.run_once()
-            dt = time.perf_counter() - t1
-            assert len(r.applied) == NODES, r
-            del loop
-            if i >= args.warmup:
-                floors.append(f)
-                rounds.append(dt)
-                writes.append(repo.write_seconds)
-            print(f"repeat {i}: floor {f['total']:.3f}s, round {dt:.3f}s, ratio {dt / f['total']:.2f}")
-        memory = []
-        for pending in (2, NODES):
-            cmd = [
-                sys.executable,
-                "-m",
-                "diloco.bench.aggregation",
-                "--child-memory",
-                str(pending),
-                "--root",
-                str(root),
-            ]
-            cmd += ["--params", str(args.params)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            memory.append(json.loads(out.strip().splitlines()[-1]))
-            print(memory[-1])
+        floors, rounds, writes = timed_rounds(repo, layout, numel, args)
+        memory = [child_peak(root, pending, args.params) for pending in (2, NODES)]
     ratios = [r / f["total"] for r, f in zip(rounds, floors)]
-    floor_s = statistics.median(f["total"] for f in floors)
-    round_s = statistics.median(rounds)
-    row = {
-        "label": args.label,
-        "code_commit": args.code_commit or bc.commit(),
-        "params_m": numel / 1e6,
-        "deltas": NODES,
-        "mb_per_delta": file_bytes / NODES / 1e6,
-        "floor_s": floor_s,
-        "read_s": statistics.median(f["read"] for f in floors),
-        "sha256_s": statistics.median(f["sha256"] for f in floors),
-        "add_s": statistics.median(f["add"] for f in floors),
-        "round_s": round_s,
-        "write_s": statistics.median(writes),
-        "ratio": statistics.median(ratios),
-        "ratio_of_min": min(rounds) / min(f["total"] for f in floors),
-        "round_mb_per_s": file_bytes / round_s / 1e6,
-        "buffers_2_pending": memory[0]["model_buffers"],
-        "buffers_8_pending": memory[1]["model_buffers"],
-        "steps_1_6_buffers_2_pending": memory[0]["buffers_before_publish"],
-        "steps_1_6_buffers_8_pending": memory[1]["buffers_before_publish"],
-    }
+    row = summary_row(args, numel, file_bytes, floors, rounds, writes, memory)
     record = {
         "name": "aggregation",
         "date": bc.utc_now(),
@@ -297,6 +246,72 @@ def report(runs: dict[str, dict]) -> str:
             f"add {r['row']['add_s']:.3f}"
         )
     return "\n".join(lines) + "\n"
+
+
+def timed_rounds(repo, layout, numel: int, args) -> tuple[list[dict], list[float], list[float]]:
+    """The floor and the master's round, alternating so both see the same machine: the floors, the
+    rounds' seconds and the global's write seconds of each repeat after the warm-up."""
+    paths = [delta_path(f"n{n}", 1) for n in range(NODES)]
+    buf = torch.zeros(numel)
+    floors, rounds, writes = [], [], []
+    for i in range(args.warmup + args.repeats):
+        f = floor_pass(repo, paths, buf)
+        loop = outer_loop(repo, layout, NODES)
+        repo.write_seconds = 0.0
+        t1 = time.perf_counter()
+        r = loop.run_once()
+        dt = time.perf_counter() - t1
+        assert len(r.applied) == NODES, r
+        del loop
+        if i >= args.warmup:
+            floors.append(f)
+            rounds.append(dt)
+            writes.append(repo.write_seconds)
+        print(f"repeat {i}: floor {f['total']:.3f}s, round {dt:.3f}s, ratio {dt / f['total']:.2f}")
+    return floors, rounds, writes
+
+
+def child_peak(root: Path, pending: int, params: int) -> dict:
+    """One round with `pending` deltas in a fresh process: its peak memory growth (child_memory's line)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "diloco.bench.aggregation",
+        "--child-memory",
+        str(pending),
+        "--root",
+        str(root),
+    ]
+    cmd += ["--params", str(params)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    print(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def summary_row(args, numel: int, file_bytes: int, floors, rounds, writes, memory) -> dict:
+    """The run's row: medians of the floor's parts, the round and the write, their ratio, the peaks."""
+    ratios = [r / f["total"] for r, f in zip(rounds, floors)]
+    round_s = statistics.median(rounds)
+    return {
+        "label": args.label,
+        "code_commit": args.code_commit or bc.commit(),
+        "params_m": numel / 1e6,
+        "deltas": NODES,
+        "mb_per_delta": file_bytes / NODES / 1e6,
+        "floor_s": statistics.median(f["total"] for f in floors),
+        "read_s": statistics.median(f["read"] for f in floors),
+        "sha256_s": statistics.median(f["sha256"] for f in floors),
+        "add_s": statistics.median(f["add"] for f in floors),
+        "round_s": round_s,
+        "write_s": statistics.median(writes),
+        "ratio": statistics.median(ratios),
+        "ratio_of_min": min(rounds) / min(f["total"] for f in floors),
+        "round_mb_per_s": file_bytes / round_s / 1e6,
+        "buffers_2_pending": memory[0]["model_buffers"],
+        "buffers_8_pending": memory[1]["model_buffers"],
+        "steps_1_6_buffers_2_pending": memory[0]["buffers_before_publish"],
+        "steps_1_6_buffers_8_pending": memory[1]["buffers_before_publish"],
+    }
 
 
 if __name__ == "__main__":

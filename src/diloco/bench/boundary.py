@@ -262,26 +262,41 @@ def main(argv=None) -> int:
                 profiles[model_name] = profile_capture(shapes, Path(tmp))
         with tempfile.TemporaryDirectory(prefix="bench_boundary_") as tmp:
             d = bench_case(shapes, Path(tmp), version, bw, args)
-        floor = d["floor"]["median"]
-        stall = d["stall"]["median"]
-        rows.append(
-            {
-                "model": model_name,
-                "mode": {
-                    "v2": "v2 (async upload)",
-                    "v1": "v1 (sync upload)",
-                    "before": "v2 before (delta + copy)",
-                }[version],
-                "link": "unlimited" if bw is None else f"{bw / MB:g} MB/s",
-                "delta MB": (d["delta_bytes"] or 0) / MB,
-                "stall s": stall,
-                "floor s (one copy)": floor,
-                "x_floor": d["x_floor"],
-                "target": TARGET if version == "v2" else None,
-                "skipped-boundary stall s": d["skipped_stall"]["median"] if d["skipped_stall"] else None,
-            }
-        )
+        rows.append(case_row(model_name, version, bw, d))
         details.append({"model": model_name, "version": version, "bytes_per_s": bw, **d})
+    bc.write(
+        "boundary",
+        "DumbDiLoCo boundary stall vs one copy of the state",
+        args,
+        rows,
+        notes=notes(args),
+        verdicts=verdict_lines(rows),
+        tables=detail_tables(details, profiles),
+        extra={"details": details, "node_module": node_mod.__file__},
+    )
+    return 0
+
+
+MODES = {"v2": "v2 (async upload)", "v1": "v1 (sync upload)", "before": "v2 before (delta + copy)"}
+
+
+def case_row(model_name: str, version: str, bw: float | None, d: dict) -> dict:
+    """One case's row: its stall and floor medians, their ratio, and the skipped boundary's stall."""
+    return {
+        "model": model_name,
+        "mode": MODES[version],
+        "link": "unlimited" if bw is None else f"{bw / MB:g} MB/s",
+        "delta MB": (d["delta_bytes"] or 0) / MB,
+        "stall s": d["stall"]["median"],
+        "floor s (one copy)": d["floor"]["median"],
+        "x_floor": d["x_floor"],
+        "target": TARGET if version == "v2" else None,
+        "skipped-boundary stall s": d["skipped_stall"]["median"] if d["skipped_stall"] else None,
+    }
+
+
+def verdict_lines(rows: list[dict]) -> list[str]:
+    """v2's stall against its target on each link, and how much longer v1 blocks."""
     by = {(r["model"], r["mode"], r["link"]): r for r in rows}
     verdicts = []
     for r in rows:
@@ -304,6 +319,11 @@ def main(argv=None) -> int:
                 verdicts.append(
                     f"{m}: v1 blocks {r['stall s'] / v2['stall s']:.1f}x longer than v2 (unlimited link)"
                 )
+    return verdicts
+
+
+def detail_tables(details: list[dict], profiles: dict) -> dict:
+    """Where a v2 boundary's time goes: by coordinator method, and the top ops of each model's profile."""
     tables = {}
     for d in details:
         if d["version"] == "v2" and d["bytes_per_s"] is None:
@@ -315,7 +335,11 @@ def main(argv=None) -> int:
             )
     for m, prof in profiles.items():
         tables[f"Where a v2 boundary's time goes: {m}, top ops (torch.profiler)"] = (prof, None)
-    notes = [
+    return tables
+
+
+def notes(args) -> list[str]:
+    return [
         "Stall: wall time of DumbDiLoCo.on_step on the training thread at a boundary that captures a delta "
         f"(median of {args.repeats} after {args.warmup} warm-up); the uploader is idle when it starts.",
         "Floor: torch._foreach_copy_ of the model's state into buffers allocated beforehand, the fastest of 3 "
@@ -326,17 +350,6 @@ def main(argv=None) -> int:
         "thread computes the delta. 'v2 before' is a bench-only subclass with the boundary as it was before "
         "(delta and a fresh baseline copy on the training thread), for contrast.",
     ]
-    bc.write(
-        "boundary",
-        "DumbDiLoCo boundary stall vs one copy of the state",
-        args,
-        rows,
-        notes=notes,
-        verdicts=verdicts,
-        tables=tables,
-        extra={"details": details, "node_module": node_mod.__file__},
-    )
-    return 0
 
 
 if __name__ == "__main__":

@@ -224,6 +224,29 @@ def main(argv=None) -> int:
             else measured_dumb(Path(tmp), h, rounds)
         )
 
+    rows = volume_rows(n, nt, h, measured, dumb)
+    verdicts = [
+        f"{r['mode']}{'' if r['mode'] == 'ddp' else ' ' + r['pseudo-grad dtype']}: measured "
+        f"{r['measured B/step']:.0f} B/step vs analytic "
+        f"{r['analytic B/step']:.0f} ({r['measured/analytic']:.4f}x)"
+        for r in rows
+        if r["measured B/step"]
+    ]
+    bc.write(
+        "comm_volume",
+        "Communication volume per worker",
+        args,
+        rows,
+        notes=notes(n, nt, h, rounds, runs, dumb),
+        verdicts=verdicts,
+        tables={"Paper runs: bytes each worker sends over the whole run": (paper_rows(), None)},
+        extra={"measured": list(measured.values()), "dumb": dumb, "micro": micro},
+    )
+    return 0
+
+
+def volume_rows(n: int, nt: int, h: int, measured: dict, dumb: dict) -> list[dict]:
+    """Bytes per step, analytic and measured, for DDP, DiLoCo at each wire dtype and DumbDiLoCo's files."""
     ddp = analytic(n, nt, h, "ddp")
     rows = []
     for mode, dtype in [
@@ -261,6 +284,11 @@ def main(argv=None) -> int:
             }
         )
 
+    return rows
+
+
+def paper_rows() -> list[dict]:
+    """The paper's runs: what each worker hands to the all-reduce over the whole run, and its ring traffic."""
     paper = []
     for name, model, workers, hh, dtype, steps, what in PAPER_RUNS:
         c = shape_counts(model)
@@ -281,14 +309,11 @@ def main(argv=None) -> int:
             }
         )
 
-    verdicts = [
-        f"{r['mode']}{'' if r['mode'] == 'ddp' else ' ' + r['pseudo-grad dtype']}: measured "
-        f"{r['measured B/step']:.0f} B/step vs analytic "
-        f"{r['analytic B/step']:.0f} ({r['measured/analytic']:.4f}x)"
-        for r in rows
-        if r["measured B/step"]
-    ]
-    notes = [
+    return paper
+
+
+def notes(n: int, nt: int, h: int, rounds: int, runs: list, dumb: dict) -> list[str]:
+    return [
         f"Measured on the micro model ({n} parameters in {nt} tensors), H={h}, {h * rounds} steps, 2 gloo ranks "
         f"(runs: {', '.join(f'{m} {d}' for m, d in runs)}) "
         "(DDP: one worker of 2 ranks; DiLoCo: 2 workers of 1 rank). Per-worker payload: what the worker hands "
@@ -301,17 +326,6 @@ def main(argv=None) -> int:
         "Paper runs: the DiLoCo payload is the pseudo-gradient of every parameter (embeddings included) once per "
         "round; DDP all-reduces every gradient every step. Ring traffic = 2(W-1)/W x payload.",
     ]
-    bc.write(
-        "comm_volume",
-        "Communication volume per worker",
-        args,
-        rows,
-        notes=notes,
-        verdicts=verdicts,
-        tables={"Paper runs: bytes each worker sends over the whole run": (paper, None)},
-        extra={"measured": list(measured.values()), "dumb": dumb, "micro": micro},
-    )
-    return 0
 
 
 if __name__ == "__main__":

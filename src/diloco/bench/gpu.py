@@ -221,13 +221,44 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
+    rows = train_rows(model, device, args, flops["total"], peak, deadline)
+    if not args.no_compile:
+        torch.compiler.reset()
+    outer, bw = outer_rows(model, device, args, deadline)
+    verdicts = [
+        f"{r['what']}: {r['tokens/s']:,.0f} tokens/s, MFU {r['MFU']:.1%} (target >= {TARGET_MFU:.0%}): "
+        f"{'met' if r['MFU'] >= TARGET_MFU else 'NOT met'}"
+        for r in rows
+        if r["MFU"] is not None
+    ]
+    bc.write(
+        "gpu" if device.type == "cuda" else "gpu_cpu_smoke",
+        f"GPU: {args.model} training throughput, MFU and outer step ({name})",
+        args,
+        [{k: v for k, v in r.items() if k != "detail"} for r in rows],
+        notes=notes(name, peak, args, flops, bw),
+        verdicts=verdicts,
+        tables={
+            "Outer step on this device": (
+                [{k: v for k, v in o.items() if k != "detail"} for o in outer],
+                None,
+            )
+        },
+        extra={"flops": flops, "peak_tflops": peak, "train": rows, "outer": outer, "device_copy_gb_s": bw},
+    )
+    return 0
+
+
+def train_rows(
+    model, device, args, flops_per_token: float, peak: float | None, deadline: float
+) -> list[dict]:
+    """Training throughput and MFU, eager then compiled (unless --no-compile), within the time budget."""
     rows = []
-    modes = [False] if args.no_compile else [False, True]
-    for compiled in modes:
+    for compiled in [False] if args.no_compile else [False, True]:
         if time.perf_counter() > deadline:
             break
         r = train_throughput(model, device, args, compiled, deadline)
-        mfu = r["tokens_per_s"] * flops["total"] / (peak * 1e12) if peak else None
+        mfu = r["tokens_per_s"] * flops_per_token / (peak * 1e12) if peak else None
         rows.append(
             {
                 "what": f"train step, {'torch.compile' if compiled else 'eager'}, "
@@ -242,8 +273,12 @@ def main(argv=None) -> int:
                 **{"detail": r},
             }
         )
-    if not args.no_compile:
-        torch.compiler.reset()
+    return rows
+
+
+def outer_rows(model, device, args, deadline: float) -> tuple[list[dict], float]:
+    """One worker's outer step with the global copy on the device and on the CPU, against the floor at
+    the device's copy bandwidth (measured here, GB/s, returned beside the rows)."""
     n_bytes = 4 * sum(p.numel() for p in model.parameters())
     bw = device_copy_bandwidth(device, min(1 << 30, 4 * n_bytes))
     outer = []
@@ -262,13 +297,11 @@ def main(argv=None) -> int:
                 "detail": m,
             }
         )
-    verdicts = [
-        f"{r['what']}: {r['tokens/s']:,.0f} tokens/s, MFU {r['MFU']:.1%} (target >= {TARGET_MFU:.0%}): "
-        f"{'met' if r['MFU'] >= TARGET_MFU else 'NOT met'}"
-        for r in rows
-        if r["MFU"] is not None
-    ]
-    notes = [
+    return outer, bw
+
+
+def notes(name: str, peak: float | None, args, flops: dict, bw: float) -> list[str]:
+    return [
         f"Device: {name}; peak dense bf16 assumed {peak} TFLOPs"
         + (" (unknown device: pass --peak-tflops)" if peak is None else ""),
         f"Model {args.model}: {flops['params_total'] / 1e6:.1f}M parameters, {flops['params_matmul'] / 1e6:.1f}M in "
@@ -281,22 +314,6 @@ def main(argv=None) -> int:
         f"install 8N) at the device copy bandwidth measured here ({bw:.0f} GB/s). With the global copy on the CPU "
         "the step also crosses PCIe twice and runs the Nesterov step on the CPU, so its x_floor is not a target.",
     ]
-    bc.write(
-        "gpu" if device.type == "cuda" else "gpu_cpu_smoke",
-        f"GPU: {args.model} training throughput, MFU and outer step ({name})",
-        args,
-        [{k: v for k, v in r.items() if k != "detail"} for r in rows],
-        notes=notes,
-        verdicts=verdicts,
-        tables={
-            "Outer step on this device": (
-                [{k: v for k, v in o.items() if k != "detail"} for o in outer],
-                None,
-            )
-        },
-        extra={"flops": flops, "peak_tflops": peak, "train": rows, "outer": outer, "device_copy_gb_s": bw},
-    )
-    return 0
 
 
 if __name__ == "__main__":

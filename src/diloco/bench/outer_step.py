@@ -330,43 +330,70 @@ def main(argv=None) -> int:
             rows += r
             details.append(d)
 
+    bc.write(
+        "outer_step",
+        "Outer step vs memory bandwidth (CPU, float32 global copy)",
+        args,
+        rows,
+        COLUMNS,
+        notes=notes(details, args),
+        verdicts=verdict_lines(rows),
+        tables=detail_tables(details),
+        extra={"details": details},
+    )
+    return 0
+
+
+COLUMNS = [
+    "shape",
+    "params",
+    "W",
+    "wire",
+    "implementation",
+    "seconds",
+    "floor_s",
+    "x_floor",
+    "GB/s moved (floor bytes)",
+]
+
+
+def verdict_lines(rows: list[dict]) -> list[str]:
+    """Each implementation against its bandwidth floor and TARGET, with its speed-up over the naive one."""
     verdicts = []
     for r in rows:
         if r["impl"] == "naive":
             continue
-        base = next(
-            (x for x in rows if x["impl"] == "naive" and (x["shape"], x["wire"]) == (r["shape"], r["wire"])),
-            None,
-        )
+        same = (r["shape"], r["wire"])
+        base = next((x for x in rows if x["impl"] == "naive" and (x["shape"], x["wire"]) == same), None)
         gain = f"; speed-up over the naive baseline {base['seconds'] / r['seconds']:.2f}x" if base else ""
         verdicts.append(
             f"{r['shape']} {r['wire']} W={r['W']}: {r['implementation']}: {r['seconds']:.2f} s = "
             f"{r['x_floor']:.2f}x its bandwidth floor ({r['floor_s']:.2f} s; target <= {TARGET}x): "
             f"{'met' if r['x_floor'] <= TARGET else 'NOT met'}{gain}"
         )
+    return verdicts
+
+
+def detail_tables(details: list[dict]) -> dict:
+    """Per shape and dtype: where the profiled worker's time goes (phases, top ops) and the floor's bytes."""
     tables = {}
     for d in details:
+        where = f"Where the time goes: {d['shape']} {d['dtype']}"
         if "profile_phases" in d:
-            phase_rows = [
-                {"phase": k, "seconds": v, "share": v / d["profile_phases"]["total (worker 0, profiled)"]}
-                for k, v in d["profile_phases"].items()
-            ]
-            tables[
-                f"Where the time goes: {d['shape']} {d['dtype']}, worker 0 of {d['workers']}, by phase"
-            ] = (
-                phase_rows,
-                None,
-            )
-            tables[f"Where the time goes: {d['shape']} {d['dtype']}, worker 0, top ops (torch.profiler)"] = (
-                d["profile_ops"],
-                None,
-            )
+            total = d["profile_phases"]["total (worker 0, profiled)"]
+            phases = [{"phase": k, "seconds": v, "share": v / total} for k, v in d["profile_phases"].items()]
+            tables[f"{where}, worker 0 of {d['workers']}, by phase"] = (phases, None)
+            tables[f"{where}, worker 0, top ops (torch.profiler)"] = (d["profile_ops"], None)
         floor_rows = [
             {"phase": k, "bytes": v, "floor s": v / (d["copy_bandwidth_gb_s"] * bc.GB)}
             for k, v in d["floor_bytes"].items()
         ]
         tables[f"Floor: {d['shape']} {d['dtype']} W={d['workers']}, bytes by phase"] = (floor_rows, None)
-    notes = [
+    return tables
+
+
+def notes(details: list[dict], args) -> list[str]:
+    return [
         "Copy bandwidth (dst.copy_(src) of 512 MB, read + written bytes per second), sampled right before every "
         "timed outer step; each row's floor uses the median of its own samples. Medians: "
         + ", ".join(f"{d['shape']}: {d['copy_bandwidth_gb_s']:.1f} GB/s" for d in details),
@@ -375,28 +402,6 @@ def main(argv=None) -> int:
         "seconds: wall time of one outer step of all W workers (common start to last end), median of "
         f"{args.repeats} after {args.warmup} warm-up.",
     ]
-    bc.write(
-        "outer_step",
-        "Outer step vs memory bandwidth (CPU, float32 global copy)",
-        args,
-        rows,
-        [
-            "shape",
-            "params",
-            "W",
-            "wire",
-            "implementation",
-            "seconds",
-            "floor_s",
-            "x_floor",
-            "GB/s moved (floor bytes)",
-        ],
-        notes=notes,
-        verdicts=verdicts,
-        tables=tables,
-        extra={"details": details},
-    )
-    return 0
 
 
 if __name__ == "__main__":

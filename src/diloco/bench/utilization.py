@@ -39,6 +39,7 @@ import logging
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -192,6 +193,52 @@ def master_starter(bytes_per_s: float, repo: Path, state_dir: Path, h: int, poll
     return start, box
 
 
+BASE = [
+    "model=micro",
+    "data=sample",
+    "data.seq_len=256",
+    "train.batch_size=8",
+    "train.micro_batch_size=8",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+    "train.progress=false",
+    "eval.tokens=512",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=10",
+    "optim.total_steps=1000",
+    "device=cpu",
+    "wandb.mode=disabled",
+    "resume=never",
+]
+TINY_MODES = ["DiLoCo FP32", "DiLoCo int4 P=4 overlap", "DiLoCo topk2 P=4 eager", "DumbDiLoCo v2"]
+TINY_BASE = ["data.seq_len=64", "train.batch_size=4", "train.micro_batch_size=4"]
+COLUMNS = [
+    "paper-equivalent link",
+    "mode",
+    "link here MB/s",
+    "utilization",
+    "analytic",
+    "tokens/s vs no-comm",
+    "target",
+    "new globals installed",
+]
+
+
+@dataclass
+class Setup:
+    """What every measured run shares: its rounds, the no-communication run's pace, the scale to the paper."""
+
+    h: int
+    rounds: int
+    common: list[str]  # every run's overrides
+    tmp: Path
+    workers: int  # W of the simulated ring
+    wall0: float = 0.0  # the no-communication run's measured wall time
+    step_s: float = 0.0
+    n: int = 0  # the micro model's parameters
+    scale: float = 1.0  # link here / paper link
+
+
 def main(argv=None) -> int:
     p = bc.parser(__doc__.splitlines()[0], repeats=1, warmup=0)
     p.add_argument("--inner-steps", type=int, default=10, help="H of the runs here")
@@ -206,175 +253,188 @@ def main(argv=None) -> int:
         help="only these modes (default: all; a slow link's FP32 rounds take minutes each)",
     )
     args = bc.finish_args(p.parse_args(argv))
-    h, rounds, bandwidths = args.inner_steps, args.rounds, args.bandwidths_mbit
-    base = [
-        "model=micro",
-        "data=sample",
-        "data.seq_len=256",
-        "train.batch_size=8",
-        "train.micro_batch_size=8",
-        "train.eval_every=0",
-        "train.checkpoint_every=0",
-        "train.progress=false",
-        "eval.tokens=512",
-        "optim.lr=3e-3",
-        "optim.warmup_steps=10",
-        "optim.total_steps=1000",
-        "device=cpu",
-        "wandb.mode=disabled",
-        "resume=never",
-    ]
-    modes = args.modes or MODES
+    h, rounds, bandwidths, modes, base = (
+        args.inner_steps,
+        args.rounds,
+        args.bandwidths_mbit,
+        args.modes or MODES,
+        BASE,
+    )
     if args.tiny:
-        h, rounds, bandwidths = 2, 1, [100]
-        modes = ["DiLoCo FP32", "DiLoCo int4 P=4 overlap", "DiLoCo topk2 P=4 eager", "DumbDiLoCo v2"]
-        base += ["data.seq_len=64", "train.batch_size=4", "train.micro_batch_size=4"]
+        h, rounds, bandwidths, modes, base = 2, 1, [100], TINY_MODES, [*BASE, *TINY_BASE]
     steps = h * (rounds + 1)  # the first round is warm-up, not measured
     logging.getLogger("diloco").setLevel(logging.WARNING)
     rows, raw = [], []
     with tempfile.TemporaryDirectory(prefix="bench_util_") as tmp:
-        tmp = Path(tmp)
         common = [*base, f"train.max_steps={steps}", f"train.log_every={h}", f"out_dir={tmp}"]
-        summary, timed = run_trainer([*common, "run_name=nocomm"])
-        wall0, _ = timed.window(after=h)
-        step_s = wall0 / (steps - h)
-        from diloco.bench.trainer import compose_overrides
-        from diloco.model import build_model  # N of the micro model
-
-        n = sum(p.numel() for p in build_model(compose_overrides(base).model, seed=0).parameters())
-        scale = (n / PAPER_PARAMS) * (PAPER_H * args.paper_step_seconds) / (h * step_s)
+        setup = Setup(h, rounds, common, Path(tmp), args.workers)
+        calibrate(setup, base, args.paper_step_seconds)
         for mbit in bandwidths:
-            paper_bps = mbit * 1e6 / 8
-            bps = paper_bps * scale
             for mode in modes:
-                name = f"{mode.replace(' ', '-').replace('=', '')}-{mbit:g}"
-                if mode.startswith("DiLoCo"):
-                    dtype = DTYPES[mode.split()[1]]
-                    over = [
-                        "distributed=diloco",
-                        f"distributed.inner_steps={h}",
-                        f"distributed.pseudo_grad_dtype={dtype}",
-                        "distributed.fp16_scaling=false",
-                        "distributed.cosine_sample_size=0",
-                    ]
-                    fragments = 1
-                    if "overlap" in mode:  # Streaming DiLoCo: 4 fragments, each overlapped with tau steps
-                        fragments = min(4, h)
-                        over += [
-                            f"distributed.fragments={fragments}",
-                            f"distributed.overlap_steps={max(1, h // 10)}",
-                            "distributed.fragment_alpha=0.5",
-                        ]
-                    elif "eager" in mode:  # eager updates: each fragment's exchange overlaps a whole round
-                        fragments = min(4, h)
-                        over += [
-                            f"distributed.fragments={fragments}",
-                            f"distributed.overlap_steps={h}",
-                            "distributed.eager_updates=true",
-                            "distributed.fragment_alpha=0.0",
-                        ]
-                    summary, timed = run_trainer(
-                        [*common, f"run_name={name}", *over],
-                        collective=RingTimedCollective(bps, args.workers),
-                    )
-                    # every fragment synced once a round: the round's bytes are one whole payload
-                    shots = (
-                        args.workers - 1
-                        if dtype == sparse.TOPK_DTYPE
-                        else 2 * (args.workers - 1) / args.workers
-                    )
-                    bytes_round = payload(n, dtype) * shots
-                else:
-                    repo, state = tmp / f"repo-{mbit:g}", tmp / f"state-{mbit:g}"
-                    start_master, box = master_starter(bps, repo, state, h, poll=max(h * step_s / 4, 0.05))
-                    over = [
-                        "distributed=dumb_diloco",
-                        "distributed.role=worker",
-                        "distributed.node_id=worker-1",
-                        f"distributed.repo_id={repo}",
-                        f"distributed.inner_steps={h}",
-                        f"distributed.poll_interval={max(h * step_s / 4, 0.05):.3f}",
-                        f"distributed.state_dir={tmp / 'worker-state'}",
-                        "distributed.startup_timeout=120",
-                        "distributed.shutdown_timeout=600",
-                        "distributed.publish_hf_config=false",
-                        "data.shard=1",
-                        "data.num_shards=2",
-                    ]
-                    try:
-                        summary, timed = run_trainer(
-                            [*common, f"run_name={name}", *over],
-                            transport=throttled(bps),
-                            before=start_master,
-                        )
-                    finally:
-                        if "master" in box:
-                            box["master"].close()
-                wall, blocked = timed.window(after=h)
-                util = 1 - blocked / wall
-                analytic = None
-                if mode.startswith("DiLoCo") and " P=4 " not in mode:  # own compute, modelled ring time
-                    inner = wall - blocked
-                    analytic = inner / (inner + rounds * bytes_round / bps)
-                rows.append(
-                    {
-                        "paper-equivalent link": f"{mbit:g} Mbit/s",
-                        "Mbit/s": mbit,
-                        "mode": mode,
-                        "link here MB/s": bps / 1e6,
-                        "utilization": util,
-                        "analytic": analytic,
-                        "tokens/s vs no-comm": wall0 / wall,
-                        "target": TARGET_ASYNC
-                        if mode.startswith("Dumb")
-                        else (TARGET_STREAMING_10MBIT if "overlap" in mode else None)
-                        if "eager" not in mode
-                        else TARGET_EAGER_1MBIT,
-                        # the price of asynchrony on a slow link is staleness, not stall
-                        "new globals installed": summary["outer/installs"] - 1
-                        if mode.startswith("Dumb")
-                        else None,
-                    }
-                )
-                raw.append(
-                    {
-                        "name": name,
-                        "blocked_s": blocked,
-                        "wall_s": wall,
-                        "summary": {k: v for k, v in summary.items() if k.startswith(("comm/", "outer/"))},
-                    }
-                )
-    verdicts = [
-        f"DumbDiLoCo v2 at {r['paper-equivalent link']}: utilization {r['utilization']:.2%} (target >= "
-        f"{TARGET_ASYNC:.0%}): {'met' if r['utilization'] >= TARGET_ASYNC else 'NOT met'}"
-        for r in rows
-        if r["mode"].startswith("Dumb")
+                row, record = measure(setup, mode, mbit)
+                rows.append(row)
+                raw.append(record)
+    plot = plot_utilization(rows, args.out) if not args.tiny else None
+    bc.write(
+        "utilization",
+        "Compute utilization vs bandwidth (paper-equivalent links)",
+        args,
+        rows,
+        COLUMNS,
+        notes=notes(setup, args),
+        verdicts=verdict_lines(rows),
+        extra={"runs": raw, "step_seconds": setup.step_s, "scale": setup.scale, "plot": plot},
+    )
+    return 0
+
+
+def calibrate(setup: Setup, base: list[str], paper_step_seconds: float) -> None:
+    """The no-communication run: its pace, and the scale that makes a link here cost what the paper's did."""
+    from diloco.bench.trainer import compose_overrides
+    from diloco.model import build_model  # N of the micro model
+
+    _, timed = run_trainer([*setup.common, "run_name=nocomm"])
+    steps = setup.h * (setup.rounds + 1)
+    setup.wall0, _ = timed.window(after=setup.h)
+    setup.step_s = setup.wall0 / (steps - setup.h)
+    setup.n = sum(p.numel() for p in build_model(compose_overrides(base).model, seed=0).parameters())
+    paper_round_s = PAPER_H * paper_step_seconds
+    setup.scale = (setup.n / PAPER_PARAMS) * paper_round_s / (setup.h * setup.step_s)
+
+
+def diloco_overrides(mode: str, h: int) -> list[str]:
+    """A synchronous mode's overrides: its wire dtype, and Streaming or eager fragments when it has them."""
+    over = [
+        "distributed=diloco",
+        f"distributed.inner_steps={h}",
+        f"distributed.pseudo_grad_dtype={DTYPES[mode.split()[1]]}",
+        "distributed.fp16_scaling=false",
+        "distributed.cosine_sample_size=0",
     ]
+    if "overlap" in mode:  # Streaming DiLoCo: 4 fragments, each overlapped with tau steps
+        tau = max(1, h // 10)
+        return over + [
+            f"distributed.fragments={min(4, h)}",
+            f"distributed.overlap_steps={tau}",
+            "distributed.fragment_alpha=0.5",
+        ]
+    if "eager" in mode:  # eager updates: each fragment's exchange overlaps a whole round
+        eager = ["distributed.eager_updates=true", "distributed.fragment_alpha=0.0"]
+        return over + [f"distributed.fragments={min(4, h)}", f"distributed.overlap_steps={h}", *eager]
+    return over
+
+
+def dumb_overrides(setup: Setup, repo: Path) -> list[str]:
+    """The DumbDiLoCo worker's overrides (its master runs in this process, behind the same link)."""
+    return [
+        "distributed=dumb_diloco",
+        "distributed.role=worker",
+        "distributed.node_id=worker-1",
+        f"distributed.repo_id={repo}",
+        f"distributed.inner_steps={setup.h}",
+        f"distributed.poll_interval={max(setup.h * setup.step_s / 4, 0.05):.3f}",
+        f"distributed.state_dir={setup.tmp / 'worker-state'}",
+        "distributed.startup_timeout=120",
+        "distributed.shutdown_timeout=600",
+        "distributed.publish_hf_config=false",
+        "data.shard=1",
+        "data.num_shards=2",
+    ]
+
+
+def run_dumb(setup: Setup, name: str, mbit: float, bps: float) -> tuple[dict, Timed]:
+    repo, state = setup.tmp / f"repo-{mbit:g}", setup.tmp / f"state-{mbit:g}"
+    poll = max(setup.h * setup.step_s / 4, 0.05)
+    start_master, box = master_starter(bps, repo, state, setup.h, poll=poll)
+    try:
+        over = [*setup.common, f"run_name={name}", *dumb_overrides(setup, repo)]
+        return run_trainer(over, transport=throttled(bps), before=start_master)
+    finally:
+        if "master" in box:
+            box["master"].close()
+
+
+def measure(setup: Setup, mode: str, mbit: float) -> tuple[dict, dict]:
+    """One mode on one paper-equivalent link: its row, and the raw figures the record keeps."""
+    bps = mbit * 1e6 / 8 * setup.scale
+    name = f"{mode.replace(' ', '-').replace('=', '')}-{mbit:g}"
+    analytic = None
+    if mode.startswith("DiLoCo"):
+        over = [*setup.common, f"run_name={name}", *diloco_overrides(mode, setup.h)]
+        summary, timed = run_trainer(over, collective=RingTimedCollective(bps, setup.workers))
+    else:
+        summary, timed = run_dumb(setup, name, mbit, bps)
+    wall, blocked = timed.window(after=setup.h)
+    if mode.startswith("DiLoCo") and " P=4 " not in mode:  # own compute, modelled ring time
+        inner = wall - blocked
+        analytic = inner / (inner + setup.rounds * round_bytes(setup, mode) / bps)
+    row = {
+        "paper-equivalent link": f"{mbit:g} Mbit/s",
+        "Mbit/s": mbit,
+        "mode": mode,
+        "link here MB/s": bps / 1e6,
+        "utilization": 1 - blocked / wall,
+        "analytic": analytic,
+        "tokens/s vs no-comm": setup.wall0 / wall,
+        "target": target_of(mode),
+        # the price of asynchrony on a slow link is staleness, not stall
+        "new globals installed": summary["outer/installs"] - 1 if mode.startswith("Dumb") else None,
+    }
+    kept = {k: v for k, v in summary.items() if k.startswith(("comm/", "outer/"))}
+    return row, {"name": name, "blocked_s": blocked, "wall_s": wall, "summary": kept}
+
+
+def round_bytes(setup: Setup, mode: str) -> float:
+    """A synchronous round's bytes on each worker's link: every fragment synced once a round, so one whole
+    payload, all-gathered whole for topk2 (W-1 payloads) and ring all-reduced otherwise."""
+    dtype = DTYPES[mode.split()[1]]
+    shots = setup.workers - 1 if dtype == sparse.TOPK_DTYPE else 2 * (setup.workers - 1) / setup.workers
+    return payload(setup.n, dtype) * shots
+
+
+def target_of(mode: str) -> float | None:
+    if mode.startswith("Dumb"):
+        return TARGET_ASYNC
+    if "eager" in mode:
+        return TARGET_EAGER_1MBIT
+    return TARGET_STREAMING_10MBIT if "overlap" in mode else None
+
+
+def verdict_lines(rows: list[dict]) -> list[str]:
+    """Each target at its link (DumbDiLoCo at every one, Streaming at 10 Mbit/s, eager at 1), and the
+    synchronous modes against their analytic utilization."""
+
+    def line(r: dict, target: float, where: str = "") -> str:
+        met = "met" if r["utilization"] >= target else "NOT met"
+        return (
+            f"{r['mode']} at {r['paper-equivalent link']}: utilization {r['utilization']:.2%} (target >= "
+            f"{target:.0%}{where}): {met}"
+        )
+
+    verdicts = [line(r, TARGET_ASYNC) for r in rows if r["mode"].startswith("Dumb")]
     verdicts += [
-        f"{r['mode']} at {r['paper-equivalent link']}: utilization {r['utilization']:.2%} (target >= "
-        f"{TARGET_STREAMING_10MBIT:.0%} at 10 Mbit/s): "
-        + ("met" if r["utilization"] >= TARGET_STREAMING_10MBIT else "NOT met")
+        line(r, TARGET_STREAMING_10MBIT, " at 10 Mbit/s")
         for r in rows
         if "overlap" in r["mode"] and r["Mbit/s"] == 10
     ]
     verdicts += [
-        f"{r['mode']} at {r['paper-equivalent link']}: utilization {r['utilization']:.2%} (target >= "
-        f"{TARGET_EAGER_1MBIT:.0%} at 1 Mbit/s): "
-        + ("met" if r["utilization"] >= TARGET_EAGER_1MBIT else "NOT met")
-        for r in rows
-        if "eager" in r["mode"] and r["Mbit/s"] == 1
+        line(r, TARGET_EAGER_1MBIT, " at 1 Mbit/s") for r in rows if "eager" in r["mode"] and r["Mbit/s"] == 1
     ]
-    verdicts += [
+    return verdicts + [
         f"{r['mode']} at {r['paper-equivalent link']}: utilization {r['utilization']:.2%} (analytic "
         f"{r['analytic']:.2%})"
         for r in rows
         if r["analytic"] is not None
     ]
-    notes = [
-        f"Micro model ({n} parameters), H={h}, {rounds} measured rounds after one warm-up round per run; step time "
-        "without "
-        f"communication {step_s * 1e3:.0f} ms here; scale factor (link here / paper link) {scale:.3g}.",
-        f"Paper setting: 150M ({PAPER_PARAMS} parameters), H={PAPER_H}, {args.workers} workers, "
+
+
+def notes(setup: Setup, args) -> list[str]:
+    h, rounds = setup.h, setup.rounds
+    return [
+        f"Micro model ({setup.n} parameters), H={h}, {rounds} measured rounds after one warm-up round per run; "
+        f"step time without communication {setup.step_s * 1e3:.0f} ms here; scale factor (link here / paper "
+        f"link) {setup.scale:.3g}.",
+        f"Paper setting: 150M ({PAPER_PARAMS} parameters), H={PAPER_H}, {setup.workers} workers, "
         f"{args.paper_step_seconds} s per inner step (assumed; one H100 at 40% MFU).",
         "Analytic (sync): c / (c + rounds x 2(W-1)/W x payload / link), c = the run's own time outside the "
         "strategy; the gap to the measured value is the outer step's own compute (pseudo-gradient, cast, Nesterov).",
@@ -392,27 +452,6 @@ def main(argv=None) -> int:
         "first). On a slow link a delta and a global each take most of a round to cross it, so the worker trains "
         "on while its view of the global model falls behind: the cost of asynchrony there is staleness, not stall.",
     ]
-    plot = plot_utilization(rows, args.out) if not args.tiny else None
-    bc.write(
-        "utilization",
-        "Compute utilization vs bandwidth (paper-equivalent links)",
-        args,
-        rows,
-        [
-            "paper-equivalent link",
-            "mode",
-            "link here MB/s",
-            "utilization",
-            "analytic",
-            "tokens/s vs no-comm",
-            "target",
-            "new globals installed",
-        ],
-        notes=notes,
-        verdicts=verdicts,
-        extra={"runs": raw, "step_seconds": step_s, "scale": scale, "plot": plot},
-    )
-    return 0
 
 
 def plot_utilization(rows: list[dict], out: Path) -> str:
