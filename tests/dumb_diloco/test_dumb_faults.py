@@ -168,8 +168,8 @@ def proc_node(
     coord.close()
     out = {
         "steps": step - first_step,
-        "uploads": coord.uploads,
-        "upload_failures": coord.upload_failures,
+        "uploads": coord.counters.uploads,
+        "upload_failures": coord.counters.upload_failures,
         "carry_steps": coord.uploader.carry.steps if coord.uploader.carry else 0,
         "pending_steps": coord.uploader.steps_since_capture,  # after the last captured boundary: never uploaded
         "injected": getattr(transport, "failures", 0),

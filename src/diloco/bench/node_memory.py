@@ -143,7 +143,7 @@ def run_worker(root: Path, params: int, case: str, rounds: int) -> None:
                 "peak_mib": peak,
                 "model_mib": model_mib,
                 "buffers": (peak - rss_model) / model_mib,
-                "installs": node.installs,
+                "installs": node.counters.installs,
             }
         )
     )

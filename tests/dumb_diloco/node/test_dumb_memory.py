@@ -136,6 +136,6 @@ def test_a_worker_holds_at_most_three_model_copies_around_a_boundary(tmp_path, i
             assert loop.run_once().applied
             node.stage(node.fetch_global())
             seen.append(held_copies(node))
-    assert node.installs >= 3 and node.uploads == 4
+    assert node.counters.installs >= 3 and node.counters.uploads == 4
     assert max(seen) <= 3.05, seen
     node.close()

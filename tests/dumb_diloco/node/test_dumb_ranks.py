@@ -95,8 +95,8 @@ def node_rank(repo: str, state_dir: str) -> dict:
     out = {"weights": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
     if leader is not None:
         out |= {
-            "installs": leader.installs,
-            "uploads": leader.uploads,
+            "installs": leader.counters.installs,
+            "uploads": leader.counters.uploads,
             "outer_step": leader.installed_outer_step,
         }
     return out
@@ -127,11 +127,13 @@ def test_a_node_of_two_ranks_uploads_the_deltas_of_a_node_of_one_rank(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     alone = DumbDiLoCo(model, node_settings(one, str(tmp_path / "state1")), optimizer=opt)
     train(alone, model, opt, one, 0, 1, True)
-    assert alone.installed_outer_step == 1 and alone.uploads == 3  # the global of step H+1 was installed
+    assert (
+        alone.installed_outer_step == 1 and alone.counters.uploads == 3
+    )  # the global of step H+1 was installed
 
     two = start_repo(tmp_path / "two")
     ranks = run_ranks("test_dumb_ranks:node_rank", 2, repo=two, state_dir=str(tmp_path / "state2"))
-    assert ranks[0]["outer_step"] == 1 and ranks[0]["installs"] == alone.installs
+    assert ranks[0]["outer_step"] == 1 and ranks[0]["installs"] == alone.counters.installs
     assert ranks[0]["uploads"] == 3  # one uploader: rank 1 never had a store
     assert torch.equal(ranks[0]["weights"], ranks[1]["weights"])  # identical after the install and after
     for want, got in zip(deltas(one), deltas(two), strict=True):

@@ -144,7 +144,7 @@ def test_the_wait_is_bounded_and_a_node_alone_trains_on(tmp_path):
     for step in range(1, H + 1):
         inner_step(model, opt, 0, step)
         node.on_step(step)
-    assert 2.0 <= sum(naps) < 2.0 + 0.1 and node.installed_outer_step == 0 and node.uploads == 1
+    assert 2.0 <= sum(naps) < 2.0 + 0.1 and node.installed_outer_step == 0 and node.counters.uploads == 1
     for step in range(H + 1, H + 3):  # it trains on; no wait between boundaries
         inner_step(model, opt, 0, step)
         node.on_step(step)
@@ -174,7 +174,7 @@ def test_every_step_lands_in_the_global_exactly_once_whatever_the_install_timing
     loop.run_once()  # after the last boundary (18): every delta is in
     node.stage(loop.snapshot())
     node.install_staged()
-    assert node.upload_failures == 1 and node.uploads == 5
+    assert node.counters.upload_failures == 1 and node.counters.uploads == 5
     final = torch.cat(
         [loop.state.weights[k].reshape(-1) for k in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
     )
@@ -204,8 +204,8 @@ def test_a_master_down_for_many_rounds_costs_a_translating_node_no_memory_and_no
     loop.run_once()  # the last boundary's delta (21)
     node.stage(loop.snapshot())
     node.install_staged()
-    assert max(held) == (2 if cap else 5) and node.skipped_boundaries == (3 if cap else 0)
-    assert node.uploads == (4 if cap else 7) and node.pending_snapshots == {}
+    assert max(held) == (2 if cap else 5) and node.counters.skipped_boundaries == (3 if cap else 0)
+    assert node.counters.uploads == (4 if cap else 7) and node.pending_snapshots == {}
     final = torch.cat(
         [loop.state.weights[k].reshape(-1) for k in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
     )

@@ -78,7 +78,7 @@ def test_step3_failed_upload_stays_in_the_next_cumulative_delta(tmp_path):
     delta, meta = read_delta(repo, "w1", 6)
     assert torch.allclose(delta["w"], start - model.w.detach())  # all six steps
     assert meta.tokens_since_baseline == 6 * 64 and meta.samples_since_baseline == 6 * 4
-    assert coord.upload_failures == 1 and coord.uploads == 1
+    assert coord.counters.upload_failures == 1 and coord.counters.uploads == 1
 
 
 def test_step4_upload_path_and_metadata(tmp_path):
@@ -90,7 +90,7 @@ def test_step4_upload_path_and_metadata(tmp_path):
     assert meta.node_id == "node-a.1" and meta.local_step == 3 and meta.base_outer_step == 0
     assert meta.tokens_since_baseline == 3 * 64 and meta.samples_since_baseline == 3 * 4
     assert meta.dtype == "float32" and meta.created_at and len(meta.payload_sha256) == 64
-    assert coord.bytes_uploaded == len(repo.read(delta_path("node-a.1", 3)))
+    assert coord.counters.bytes_uploaded == len(repo.read(delta_path("node-a.1", 3)))
 
 
 # ------------------------------------------------------------------ step 5: polling
@@ -131,7 +131,7 @@ def test_step5_poll_failures_never_reach_the_training_loop(tmp_path):
     repo.fail_revisions = 5
     for step in range(1, 7):
         coord.on_step(step)
-    assert coord.poll_failures == 2 and coord.uploads == 2
+    assert coord.counters.poll_failures == 2 and coord.counters.uploads == 2
 
 
 # ------------------------------------------------------------------ step 6: install
@@ -170,7 +170,9 @@ def test_step6_incompatible_global_is_never_installed(tmp_path, bad, caplog):
         for step in range(1, 7):
             assert not coord.on_step(step).installed
     assert all(torch.equal(before[k], t) for k, t in model.state_dict().items())
-    assert coord.installed_outer_step == 0 and coord.rejected_globals == 1  # downloaded once, not per poll
+    assert (
+        coord.installed_outer_step == 0 and coord.counters.rejected_globals == 1
+    )  # downloaded once, not per poll
     assert "not installing" in caplog.text
 
 
@@ -179,7 +181,7 @@ def test_step6_global_whose_metadata_disagrees_with_step_count_is_rejected(tmp_p
     publish_raw(repo.inner, dict(model.state_dict()), 2, meta_step=1)
     for step in (1, 2, 3):
         assert not coord.on_step(step).installed
-    assert coord.rejected_globals == 1
+    assert coord.counters.rejected_globals == 1
 
 
 # ------------------------------------------------------------------ step 7: reset
@@ -234,7 +236,7 @@ def test_v2_boundary_with_upload_in_flight_is_skipped_and_nothing_is_lost(tmp_pa
         for step in (4, 5, 6):
             nudge(model, 0.5)
             coord.on_step(step)
-    assert coord.skipped_boundaries == 1 and "skipped" in caplog.text
+    assert coord.counters.skipped_boundaries == 1 and "skipped" in caplog.text
     repo.block_writes.set()
     wait_until(lambda: not coord.uploading)
     for step in (7, 8, 9):
@@ -309,7 +311,7 @@ def test_v2_reused_snapshot_buffers_give_exact_deltas_across_installs_and_failur
         got, _ = read_delta(repo, "w1", step)
         for k in want:
             assert torch.equal(got[k], want[k]), (step, k)
-    assert coord.upload_failures == 1 and sum(allocated) == 3
+    assert coord.counters.upload_failures == 1 and sum(allocated) == 3
 
 
 def test_v2_polls_in_the_background_and_installs_on_the_training_thread(tmp_path):
@@ -368,9 +370,9 @@ def test_state_dict_is_loadable_with_weights_only(tmp_path):
     state = torch.load(tmp_path / "s.pt", weights_only=True)
     other = DumbDiLoCo(Tiny(), settings(tmp_path / "repo"), repo)
     other.load_state_dict(state)
-    assert other.uploads == 1 and other.bytes_uploaded == coord.bytes_uploaded
+    assert other.counters.uploads == 1 and other.counters.bytes_uploaded == coord.counters.bytes_uploaded
     summary = coord.summary()
-    assert summary["comm/total_bytes"] == coord.bytes_uploaded + coord.bytes_downloaded > 0
+    assert summary["comm/total_bytes"] == coord.counters.bytes_uploaded + coord.counters.bytes_downloaded > 0
 
 
 def test_a_global_of_another_model_fails_fast_a_corrupt_one_is_waited_out(tmp_path):

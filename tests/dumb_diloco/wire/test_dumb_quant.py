@@ -161,7 +161,7 @@ def test_error_feedback_loses_nothing_over_boundaries(tmp_path, dtype):
     run_boundaries.base, raw = weights(model), []
     run_boundaries(coord, model, range(1, 16), raw)  # 5 boundaries
     decoded = decoded_by_master(spy.inner, model)
-    assert sorted(decoded) == [3, 6, 9, 12, 15] and coord.uploads == 5
+    assert sorted(decoded) == [3, 6, 9, 12, 15] and coord.counters.uploads == 5
     assert_nothing_lost(raw, decoded.values(), coord.codec.residual)
     assert coord.metrics()["comm/cast_rel_error"] == coord.codec.rel_error > 0
 
@@ -187,12 +187,12 @@ def test_a_failed_upload_loses_nothing_and_counts_nothing_twice(tmp_path):
     before = {k: t.clone() for k, t in coord.codec.residual.items()}
     spy.fail_writes = 1  # the upload at step 6 fails once
     run_boundaries(coord, model, range(4, 7), raw)
-    assert coord.upload_failures == 1 and coord.uploader.carry is not None
+    assert coord.counters.upload_failures == 1 and coord.uploader.carry is not None
     for k, t in before.items():  # the residual moves only when an upload succeeds
         assert torch.equal(coord.codec.residual[k], t)
     run_boundaries(coord, model, range(7, 13), raw)  # step 9 carries step 6's delta
     decoded = decoded_by_master(spy.inner, model)
-    assert sorted(decoded) == [3, 9, 12] and coord.uploads == 3
+    assert sorted(decoded) == [3, 9, 12] and coord.counters.uploads == 3
     assert_nothing_lost(raw, decoded.values(), coord.codec.residual)
 
 
@@ -247,7 +247,7 @@ def test_a_checkpoint_with_an_upload_in_flight_counts_that_upload_as_done(tmp_pa
     assert coord.codec.residual == {}  # not committed while the upload is in flight
     spy.block_writes.set()
     coord.close()  # waits for the upload
-    assert coord.uploads == 1 and coord.codec.residual
+    assert coord.counters.uploads == 1 and coord.codec.residual
     for k, t in coord.codec.residual.items():
         assert torch.equal(state["codec"]["residual"][k], t)
 
@@ -273,7 +273,9 @@ def test_a_translated_install_leaves_the_residual_alone(tmp_path):
         if step in (3, 7):  # installed at the boundaries 6 and 9
             newer = {k: t + 0.25 * step for k, t in small().state_dict().items()}
             publish(spy.inner, newer, coord.installed_outer_step + 1)
-    assert coord.installs == 3 and coord.installed_outer_step == 2  # the first global, then 2 translated
+    assert (
+        coord.counters.installs == 3 and coord.installed_outer_step == 2
+    )  # the first global, then 2 translated
     assert coord.codec.residual and len(inputs) == 4
     assert_nothing_lost(inputs, decoded_by_master(spy.inner, model).values(), coord.codec.residual)
 
@@ -453,6 +455,6 @@ def test_a_master_and_a_worker_with_int4_deltas_apply_every_delta(tmp_path):
     files = [f for f in repo.list("nodes") if f.path.endswith(".safetensors")]
     assert len(files) == 8
     assert {parse_header(repo.read(f.path)).metadata["dtype"] for f in files} == {"int4"}
-    assert node.bytes_uploaded == sum(f.size for f in files if f.path.startswith("nodes/w1/"))
+    assert node.counters.bytes_uploaded == sum(f.size for f in files if f.path.startswith("nodes/w1/"))
     node.close()  # finish() does not close (the trainer closes last)
     master.close()

@@ -85,7 +85,7 @@ def test_topk2_error_feedback_loses_nothing_over_boundaries(tmp_path):
     run_boundaries.base, raw = weights(model), []
     run_boundaries(coord, model, range(1, 16), raw)  # 5 boundaries
     decoded = decoded_by_master(spy.inner, model)
-    assert sorted(decoded) == [3, 6, 9, 12, 15] and coord.uploads == 5
+    assert sorted(decoded) == [3, 6, 9, 12, 15] and coord.counters.uploads == 5
     assert_nothing_lost(raw, decoded.values(), coord.codec.residual)
     assert coord.metrics()["comm/cast_rel_error"] == coord.codec.rel_error > 0
 

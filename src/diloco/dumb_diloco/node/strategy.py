@@ -267,39 +267,6 @@ class DumbDiLoCo:
         """This node's busy microseconds per step so far (0 before its second step)."""
         return round(1e6 * self.busy_seconds / self.busy_steps) if self.busy_steps else 0
 
-    # the counters tests and scripts read by name (all of them: self.counters)
-    @property
-    def installs(self) -> int:
-        return self.counters.installs
-
-    @property
-    def uploads(self) -> int:
-        return self.counters.uploads
-
-    @property
-    def upload_failures(self) -> int:
-        return self.counters.upload_failures
-
-    @property
-    def skipped_boundaries(self) -> int:
-        return self.counters.skipped_boundaries
-
-    @property
-    def poll_failures(self) -> int:
-        return self.counters.poll_failures
-
-    @property
-    def rejected_globals(self) -> int:
-        return self.counters.rejected_globals
-
-    @property
-    def bytes_uploaded(self) -> int:
-        return self.counters.bytes_uploaded
-
-    @property
-    def bytes_downloaded(self) -> int:
-        return self.counters.bytes_downloaded
-
     @property
     def total_bytes(self) -> int:
         outer = self.master.total_bytes if self.master is not None else 0
