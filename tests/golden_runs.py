@@ -235,7 +235,7 @@ def dumb_diloco_run(tmp_path: Path, worker_settings: dict) -> dict:
         "outer_step": loop.state.outer_step,
         "ledger": [[e.node_id, e.local_step, e.status, e.outer_step] for e in entries],
         "delta_payload_sha256": [e.sha256 for e in entries],
-        "installed_outer_step": node.installed_outer_step,
+        "installed_outer_step": node.installer.outer_step,
         "params": {"worker": fingerprint(model.state_dict()), "global": fingerprint(loop.state.weights)},
     }
 

@@ -242,12 +242,12 @@ def _run_node(rendezvous: Path, overrides: list[str]) -> None:
     on_step = DumbDiLoCo.on_step
 
     def on_step_installing_at_the_end(self, local_step):
-        if local_step == STEPS and not self.s.is_master and self.installed_outer_step < 1:
+        if local_step == STEPS and not self.s.is_master and self.installer.outer_step < 1:
             # The last boundary installs a staged global newer than the first one. Stage it: wait for one
             # in the repository, for the upload in flight (a busy uploader would skip the boundary), and
             # for a poll that started after it was published (v2; v1 polls at the boundary itself).
             _wait_for(lambda: _published_step(self.transport) >= 1, "the master's outer step 1")
-            _wait_for(lambda: not self.uploading, "the upload in flight")
+            _wait_for(lambda: not self.uploader.uploading, "the upload in flight")
             if self.s.async_global_poll:
                 _wait_for(lambda: not self.polling, "the poll in flight")
                 assert self.poll()

@@ -161,7 +161,7 @@ def proc_node(
                 p.add_(torch.randn_like(p) * 0.01)
         coord.on_step(step)  # never raises, whatever the transport does
         if step - first_step == pause_at:
-            _wait_until(lambda: not coord.uploading, "the upload in flight")
+            _wait_until(lambda: not coord.uploader.uploading, "the upload in flight")
             Path(stop_file).with_name(f"{node_id}.paused").touch()
             _wait_until(Path(stop_file).with_name("go").exists, "the go file")
         time.sleep(0.01)

@@ -125,14 +125,15 @@ def test_a_master_whose_lease_another_process_with_its_id_took_writes_nothing(tm
 
 @pytest.mark.slow
 def test_a_second_process_with_the_same_master_id_is_refused(tmp_path):
-    from test_dumb_faults import finish, node, wait_for
+    from polling import wait_until
+    from test_dumb_faults import finish, node
 
     repo_dir = str(tmp_path / "repo")
     here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
     here.mkdir(), elsewhere.mkdir()
     first = node(here, "master", repo_dir, "m", lease=300)
     lease_file = tmp_path / "repo" / LEASE_PATH
-    wait_for(lease_file.exists, 120, "the first master's lease")
+    wait_until(lease_file.exists, "the first master's lease", 120)
     instance = json.loads(lease_file.read_text())["instance"]
     # a requeued job on another machine (another state_dir) with the same node id: refused by the lease
     second = node(elsewhere, "master", repo_dir, "m", lease=300, tag="-second")

@@ -101,7 +101,7 @@ class CopyFloor:
 
 def wait_idle(c: DumbDiLoCo, timeout: float = 900.0) -> None:
     deadline = time.monotonic() + timeout
-    while c.uploading and time.monotonic() < deadline:
+    while c.uploader.uploading and time.monotonic() < deadline:
         time.sleep(0.005)
 
 

@@ -152,8 +152,8 @@ def run_worker(root: Path, params: int, case: str, rounds: int) -> None:
 def _has_global(node: DumbDiLoCo, outer_step: int) -> bool:
     staged = node.installer.staged
     return (
-        not node.uploading
-        and max(node.installed_outer_step, staged.outer_step if staged else -1) >= outer_step
+        not node.uploader.uploading
+        and max(node.installer.outer_step, staged.outer_step if staged else -1) >= outer_step
     )
 
 

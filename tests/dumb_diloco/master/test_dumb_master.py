@@ -321,7 +321,7 @@ def test_master_restart_resumes_its_state_and_does_not_reapply(tmp_path):
     weights = coord.outer.state.weights["w"].clone()
     again = _master(tmp_path)
     again.start()
-    assert again.installed_outer_step == 1 and torch.equal(again.model.w.detach(), weights)
+    assert again.installer.outer_step == 1 and torch.equal(again.model.w.detach(), weights)
     again.close()
     assert again.outer.state.outer_step == 1  # a@3 is in the saved ledger
 
@@ -352,7 +352,7 @@ def test_master_prefers_the_newer_of_checkpoint_and_state_dir(tmp_path):
     fresh.load_state_dict(ckpt)
     fresh.start()
     fresh.close()
-    assert fresh.installed_outer_step == 1 and published(fresh.transport)[2]["outer_step"] == 1
+    assert fresh.installer.outer_step == 1 and published(fresh.transport)[2]["outer_step"] == 1
 
 
 def test_transient_write_errors_on_the_master_never_raise(tmp_path):

@@ -85,8 +85,10 @@ class Wide(torch.nn.Module):
 def held_copies(node: DumbDiLoCo, job: DeltaJob | None = None) -> float:
     """Model-sized buffers the node's fields (and the job being written) refer to, the live model aside."""
     live = {t.untyped_storage().data_ptr() for t in node.model.state_dict().values()}
-    tensors = [*node.uploader.baseline.values(), *(node.reference or {}).values()]
-    tensors += [t for s in [*node.pending_snapshots.values(), *node.buffers.free] for t in s.values()]
+    tensors = [*node.uploader.baseline.values(), *(node.installer.reference or {}).values()]
+    tensors += [
+        t for s in [*node.installer.pending_snapshots.values(), *node.buffers.free] for t in s.values()
+    ]
     tensors += list(node.installer.staged.state.values()) if node.installer.staged is not None else []
     for j in (job, node.uploader.carry, node.uploader.in_flight):
         if j is not None:

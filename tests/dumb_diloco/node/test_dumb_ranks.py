@@ -97,7 +97,7 @@ def node_rank(repo: str, state_dir: str) -> dict:
         out |= {
             "installs": leader.counters.installs,
             "uploads": leader.counters.uploads,
-            "outer_step": leader.installed_outer_step,
+            "outer_step": leader.installer.outer_step,
         }
     return out
 
@@ -128,7 +128,7 @@ def test_a_node_of_two_ranks_uploads_the_deltas_of_a_node_of_one_rank(tmp_path):
     alone = DumbDiLoCo(model, node_settings(one, str(tmp_path / "state1")), optimizer=opt)
     train(alone, model, opt, one, 0, 1, True)
     assert (
-        alone.installed_outer_step == 1 and alone.counters.uploads == 3
+        alone.installer.outer_step == 1 and alone.counters.uploads == 3
     )  # the global of step H+1 was installed
 
     two = start_repo(tmp_path / "two")

@@ -125,7 +125,7 @@ def test_nodes_that_wait_for_their_round_make_synchronous_diloco(tmp_path):
         if later:
             later.pop()()
         assert (clock() > waited) == (step % H == 0)  # a node waits at its boundaries only
-        assert [node.installed_outer_step for node, _, _ in nodes] == [step // H] * 2  # its own round's
+        assert [node.installer.outer_step for node, _, _ in nodes] == [step // H] * 2  # its own round's
     for _, model, _ in nodes:
         torch.testing.assert_close(flat(model), synchronous_diloco(2, lr, mu, rounds), rtol=1e-5, atol=1e-6)
 
@@ -144,7 +144,7 @@ def test_the_wait_is_bounded_and_a_node_alone_trains_on(tmp_path):
     for step in range(1, H + 1):
         inner_step(model, opt, 0, step)
         node.on_step(step)
-    assert 2.0 <= sum(naps) < 2.0 + 0.1 and node.installed_outer_step == 0 and node.counters.uploads == 1
+    assert 2.0 <= sum(naps) < 2.0 + 0.1 and node.installer.outer_step == 0 and node.counters.uploads == 1
     for step in range(H + 1, H + 3):  # it trains on; no wait between boundaries
         inner_step(model, opt, 0, step)
         node.on_step(step)
@@ -197,7 +197,7 @@ def test_a_master_down_for_many_rounds_costs_a_translating_node_no_memory_and_no
         inner_step(model, opt, 0, step)
         inner_step(alone, alone_opt, 0, step)
         node.on_step(step)
-        held.append(len(node.pending_snapshots))
+        held.append(len(node.installer.pending_snapshots))
         if step == 16:  # the master is back: deltas 3 and 6 (capped) or 3-15 (no cap) make its round
             loop.run_once()
             node.stage(loop.snapshot())
@@ -205,7 +205,7 @@ def test_a_master_down_for_many_rounds_costs_a_translating_node_no_memory_and_no
     node.stage(loop.snapshot())
     node.install_staged()
     assert max(held) == (2 if cap else 5) and node.counters.skipped_boundaries == (3 if cap else 0)
-    assert node.counters.uploads == (4 if cap else 7) and node.pending_snapshots == {}
+    assert node.counters.uploads == (4 if cap else 7) and node.installer.pending_snapshots == {}
     final = torch.cat(
         [loop.state.weights[k].reshape(-1) for k in ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
     )

@@ -121,7 +121,7 @@ def test_step5_poll_finds_a_new_global_and_6_installs_it_only_at_a_boundary(tmp_
     assert not torch.equal(model.w.detach(), new["w"])
     coord.on_step(2)
     result = coord.on_step(3)
-    assert result.installed and coord.installed_outer_step == 1
+    assert result.installed and coord.installer.outer_step == 1
     assert torch.equal(model.w.detach(), new["w"]) and torch.equal(model.b.detach(), new["b"])
     assert result.metrics["outer/step"] == 1
 
@@ -171,7 +171,7 @@ def test_step6_incompatible_global_is_never_installed(tmp_path, bad, caplog):
             assert not coord.on_step(step).installed
     assert all(torch.equal(before[k], t) for k, t in model.state_dict().items())
     assert (
-        coord.installed_outer_step == 0 and coord.counters.rejected_globals == 1
+        coord.installer.outer_step == 0 and coord.counters.rejected_globals == 1
     )  # downloaded once, not per poll
     assert "not installing" in caplog.text
 
@@ -201,7 +201,7 @@ def test_step7_reset_is_off_when_configured_off(tmp_path):
     coord, repo, model = worker(tmp_path, reset_inner_optimizer=False)
     publish(repo.inner, model.state_dict(), 1)
     assert [coord.on_step(s).reset_optimizer for s in (1, 2, 3)] == [False, False, False]
-    assert coord.installed_outer_step == 1
+    assert coord.installer.outer_step == 1
 
 
 def test_step7_strategy_clears_the_inner_optimizer(tmp_path):
@@ -238,7 +238,7 @@ def test_v2_boundary_with_upload_in_flight_is_skipped_and_nothing_is_lost(tmp_pa
             coord.on_step(step)
     assert coord.counters.skipped_boundaries == 1 and "skipped" in caplog.text
     repo.block_writes.set()
-    wait_until(lambda: not coord.uploading)
+    wait_until(lambda: not coord.uploader.uploading)
     for step in (7, 8, 9):
         nudge(model, 0.5)
         coord.on_step(step)
@@ -262,7 +262,7 @@ def test_v2_failed_upload_is_carried_even_across_an_install(tmp_path):
     publish(repo.inner, new, 1)
     coord.on_step(1), coord.on_step(2)
     assert coord.on_step(3).installed  # captured (job enqueued), then installed
-    wait_until(lambda: not coord.uploading)
+    wait_until(lambda: not coord.uploader.uploading)
     nudge(model, 0.25)
     coord.on_step(4), coord.on_step(5), coord.on_step(6)
     coord.close()
@@ -298,7 +298,7 @@ def test_v2_reused_snapshot_buffers_give_exact_deltas_across_installs_and_failur
             new = {k: t + 2 if t.is_floating_point() else t for k, t in model.state_dict().items()}
             publish(repo.inner, new, 1)
         installed = coord.on_step(step).installed
-        wait_until(lambda: not coord.uploading)
+        wait_until(lambda: not coord.uploader.uploading)
         coord.collect()
         carry = want if step == 4 else None
         if step != 4:
@@ -350,7 +350,7 @@ def test_worker_waits_for_the_first_global_and_installs_it(tmp_path):
     coord = DumbDiLoCo(model, s, repo, sleep=sleep)
     coord.start()
     assert waits == [0.05]  # it waited one poll_interval, then found and installed the global
-    assert coord.installed_outer_step == 4
+    assert coord.installer.outer_step == 4
     assert all(torch.equal(target[k], t) for k, t in model.state_dict().items())  # the int buffer too
 
 
@@ -437,7 +437,7 @@ def read_delta_raw(transport, node_id, step):
 def step(coord, i):
     coord.on_step(i)
     deadline = time.monotonic() + 60
-    while coord.uploading:  # v2: no boundary skipped for a busy uploader
+    while coord.uploader.uploading:  # v2: no boundary skipped for a busy uploader
         assert time.monotonic() < deadline, "the upload never finished"
         time.sleep(0.01)
 
@@ -506,11 +506,11 @@ def test_resume_keeps_a_newer_global_for_the_next_boundary(tmp_path):
     again.start()
     nudge(model2, 0.25)
     again.on_step(2)
-    assert again.installed_outer_step == 0 and torch.equal(
+    assert again.installer.outer_step == 0 and torch.equal(
         model2.w, Tiny().w + 0.75
     )  # not installed mid-loop
     nudge(model2, 0.25)
-    assert again.on_step(3).installed and again.installed_outer_step == 1
+    assert again.on_step(3).installed and again.installer.outer_step == 1
     delta, _ = read_delta_raw(repo, "w1", 3)
     assert torch.allclose(delta["w"], torch.full((2, 2), -1.0))  # steps 1-3, none lost
     again.close()
@@ -537,6 +537,6 @@ def test_bounded_shutdown_reports_the_delta_it_could_not_upload(tmp_path, caplog
     coord.close()
     # close() gave up after shutdown_timeout: the write is still blocked, and waiting for it would have
     # taken the blocked write's 60 s (the bound leaves a loaded machine all the rest)
-    assert coord.uploading and time.monotonic() - t0 < 30
+    assert coord.uploader.uploading and time.monotonic() - t0 < 30
     assert "nodes/w1/delta_1.safetensors (1 step(s)) was still uploading" in caplog.text
     repo.block_writes.set()

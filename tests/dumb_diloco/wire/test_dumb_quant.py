@@ -224,7 +224,7 @@ def test_the_residual_survives_a_restart_from_the_nodes_checkpoint(tmp_path):
         for step in (7, 8, 9):
             train_step(m, step)
             node.on_step(step)
-    sha = {n: n.last_uploaded for n in (coord, twin, amnesiac)}
+    sha = {n: n.uploader.last_uploaded for n in (coord, twin, amnesiac)}
     assert sha[twin] == sha[coord] and sha[coord][0] == 9  # the same payload SHA-256 at step 9
     assert sha[amnesiac] != sha[coord]
     payload = [r.read(delta_path("w1", 9)) for r in (spy.inner, twin_repo)]
@@ -242,7 +242,7 @@ def test_a_checkpoint_with_an_upload_in_flight_counts_that_upload_as_done(tmp_pa
     for step in (1, 2, 3):
         train_step(model, step)
         coord.on_step(step)
-    assert spy.writes_started.wait(60) and coord.uploading
+    assert spy.writes_started.wait(60) and coord.uploader.uploading
     state = coord.state_dict()
     assert coord.codec.residual == {}  # not committed while the upload is in flight
     spy.block_writes.set()
@@ -272,9 +272,9 @@ def test_a_translated_install_leaves_the_residual_alone(tmp_path):
         coord.on_step(step)
         if step in (3, 7):  # installed at the boundaries 6 and 9
             newer = {k: t + 0.25 * step for k, t in small().state_dict().items()}
-            publish(spy.inner, newer, coord.installed_outer_step + 1)
+            publish(spy.inner, newer, coord.installer.outer_step + 1)
     assert (
-        coord.counters.installs == 3 and coord.installed_outer_step == 2
+        coord.counters.installs == 3 and coord.installer.outer_step == 2
     )  # the first global, then 2 translated
     assert coord.codec.residual and len(inputs) == 4
     assert_nothing_lost(inputs, decoded_by_master(spy.inner, model).values(), coord.codec.residual)

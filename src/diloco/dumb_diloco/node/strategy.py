@@ -235,30 +235,6 @@ class DumbDiLoCo:
         return self.master.outer if self.master is not None else None
 
     @property
-    def installed_outer_step(self) -> int:
-        return self.installer.outer_step
-
-    @property
-    def num_peers(self) -> int:
-        return self.installer.num_peers
-
-    @property
-    def reference(self) -> dict[str, torch.Tensor] | None:
-        return self.installer.reference
-
-    @property
-    def pending_snapshots(self) -> dict[int, dict[str, torch.Tensor]]:
-        return self.installer.pending_snapshots
-
-    @property
-    def last_uploaded(self) -> tuple[int, str] | None:
-        return self.uploader.last_uploaded
-
-    @property
-    def uploading(self) -> bool:
-        return self.uploader.uploading
-
-    @property
     def polling(self) -> bool:
         return self._polling is not None and not self._polling.done()
 
@@ -345,9 +321,9 @@ class DumbDiLoCo:
         """Steps 3 and 4 at a boundary (and 6 before 4 under `replace`). Returns (captured, installed)."""
         self.counters.boundaries += 1
         held, cap = self.installer.held, self.s.max_pending_snapshots
-        if self.uploading or 0 < cap <= held:  # its steps stay in the next cumulative delta
+        if self.uploader.uploading or 0 < cap <= held:  # its steps stay in the next cumulative delta
             self.counters.skipped_boundaries += 1
-            if self.uploading:
+            if self.uploader.uploading:
                 why = "the previous upload is still in flight"
             else:
                 why = f"{held} uploaded deltas are in no global yet (max_pending_snapshots)"
@@ -516,7 +492,7 @@ class DumbDiLoCo:
         poll = "callback" if s.is_master else poll
         log.info(
             f"node {s.node_id} ({s.role}, {upload} upload, {poll} poll): starting from global outer step "
-            f"{self.installed_outer_step}, a delta every {s.inner_steps} steps"
+            f"{self.installer.outer_step}, a delta every {s.inner_steps} steps"
         )
 
     def _start_lanes(self) -> None:
@@ -543,7 +519,7 @@ class DumbDiLoCo:
             self.master.stop(self.s.drain_timeout)
         if self.outer is None:
             with deadline(bound, "shutdown"):
-                identity = (self.s.node_id, *self.last_uploaded) if self.last_uploaded else None
+                identity = (self.s.node_id, *self.uploader.last_uploaded) if self.uploader.last_uploaded else None
                 self.final_status = await_final_status(
                     self.transport,
                     identity,
@@ -554,10 +530,10 @@ class DumbDiLoCo:
                 )
             log.info(f"node {self.s.node_id}: final delta {self.final_status}")
             return False
-        identity = (self.s.node_id, *self.last_uploaded) if self.last_uploaded else None
+        identity = (self.s.node_id, *self.uploader.last_uploaded) if self.uploader.last_uploaded else None
         self.final_status = self.master.final_status(identity)
         final = self.master.snapshot()
-        if final.outer_step <= self.installed_outer_step:
+        if final.outer_step <= self.installer.outer_step:
             return False
         with torch.no_grad():
             for k, t in self.model.state_dict().items():
@@ -584,9 +560,9 @@ class DumbDiLoCo:
         """Wait for the upload in flight (if any) until `end`; True when none is in flight any more."""
         self.uploader.wait(end)
         self.collect()
-        if self.uploading:
+        if self.uploader.uploading:
             self.uploader.warn_still_uploading()
-        return not self.uploading
+        return not self.uploader.uploading
 
     def close(self) -> None:
         """Bounded shutdown (idempotent): wait for an in-flight upload and (master) a last outer round."""
@@ -610,10 +586,10 @@ class DumbDiLoCo:
     def metrics(self, stall: float | None = None) -> dict[str, float]:
         c = self.counters
         m = {
-            "outer/step": self.installed_outer_step,
+            "outer/step": self.installer.outer_step,
             "outer/installs": c.installs,
             "outer_lr": self.s.outer_lr,
-            "num_peers": self.num_peers,
+            "num_peers": self.installer.num_peers,
             "comm/delta_bytes": self.uploader.last_delta_bytes,
             "comm/upload_seconds": self.uploader.last_upload_seconds,
             "comm/stall_seconds_total": c.stall_seconds,
@@ -677,11 +653,11 @@ class DumbDiLoCo:
         up = self.uploader
         out: dict = self.counters.state_dict()
         out |= {
-            "installed_outer_step": self.installed_outer_step,
+            "installed_outer_step": self.installer.outer_step,
             "local_step": self.local_step,
             "steps_since_capture": up.steps_since_capture,
             "baseline": {k: t.clone() for k, t in up.baseline.items()},
-            "last_uploaded": list(self.last_uploaded or ()),
+            "last_uploaded": list(self.uploader.last_uploaded or ()),
             "progress": self.global_progress.state_dict(),
         }
         translate = self.installer.state_dict()
@@ -700,9 +676,7 @@ class DumbDiLoCo:
     def load_state_dict(self, state: dict) -> None:
         """Before `start`: counters now; the master state and a mid-inner-loop baseline at `start`."""
         self.counters = self.counters.loaded(state)
-        last = state.get("last_uploaded")
-        if last:
-            self.uploader.last_uploaded = (int(last[0]), str(last[1]))
+        self.uploader.resume_identity(state.get("last_uploaded"))
         if "progress" in state:  # the run step as it was; the next install replaces it
             self.global_progress.load_state_dict(state["progress"])
         if "master" in state and self.master is not None:
@@ -730,5 +704,5 @@ class DumbDiLoCo:
         self.local_step = int(r.get("local_step", 0))
         log.info(
             f"node {self.s.node_id}: resumed mid-inner-loop at local step {self.local_step} (baseline of "
-            f"global outer step {self.installed_outer_step}, {self.uploader.steps_since_capture} step(s) since)"
+            f"global outer step {self.installer.outer_step}, {self.uploader.steps_since_capture} step(s) since)"
         )

@@ -253,6 +253,11 @@ class Uploader:
         delta = {k: t.clone() for k, t in c.delta.items()}
         return {"delta": delta, "base_outer_step": c.meta.base_outer_step, "steps": c.steps}
 
+    def resume_identity(self, last: list | None) -> None:
+        """A checkpoint's last upload, [local step, payload SHA-256] (what `mark_finished` names)."""
+        if last:
+            self.last_uploaded = (int(last[0]), str(last[1]))
+
     def resume(self, baseline: Snapshot, steps_since_capture: int, carry: dict | None) -> None:
         """A checkpoint's inner loop: its baseline (copied to the CPU), the steps since it and its carry."""
         self._baseline = {k: t.detach().to("cpu", copy=True) for k, t in baseline.items()}
