@@ -519,7 +519,9 @@ class DumbDiLoCo:
             self.master.stop(self.s.drain_timeout)
         if self.outer is None:
             with deadline(bound, "shutdown"):
-                identity = (self.s.node_id, *self.uploader.last_uploaded) if self.uploader.last_uploaded else None
+                identity = (
+                    (self.s.node_id, *self.uploader.last_uploaded) if self.uploader.last_uploaded else None
+                )
                 self.final_status = await_final_status(
                     self.transport,
                     identity,
