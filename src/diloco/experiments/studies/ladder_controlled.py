@@ -41,6 +41,7 @@ ROOT = records.ROOT
 GRID = ROOT / "configs" / "studies" / "ladder_controlled.yaml"
 METHODS = {"ddp": "tiny_law/ddp_mx", "diloco": "tiny_law/diloco_fp32"}
 COUNTS = ("non_embedding", "total")
+STUDY_TOKENIZER_MODEL = "2m"  # any rung: the data config, not the model, decides the tokens
 KEYS = (*sweep.FINAL_KEYS, "parameters")
 
 
@@ -137,8 +138,9 @@ def _parameters(rung: str) -> dict:
 
 
 @functools.cache
-def unique_tokens(rung: str) -> int:
-    return sweep.unique_tokens_of(rung)
+def unique_tokens() -> int:
+    """The sample's unique training tokens, packed (the same for every rung: one tokenizer)."""
+    return sweep.unique_tokens_of(STUDY_TOKENIZER_MODEL)
 
 
 def read(study: Study, runs: Path, rung: str, method: str, lr: float, seed: int, subset: str):
@@ -192,7 +194,7 @@ def regime(study: Study, rung: str) -> dict:
     steps = study.steps(rung)
     tokens = steps * study.global_batch * seq_len()
     counts = parameters(rung)
-    unique = unique_tokens(rung)
+    unique = unique_tokens()
     return {
         "parameters": counts,
         "steps": steps,
