@@ -104,3 +104,4 @@ def test_a_rung_not_run_says_so_and_no_slope_is_fitted_from_two_rungs(tmp_path):
     lc.write_record(STUDY, tmp_path / "none", tmp_path / "out")
     table = (tmp_path / "out" / "table.md").read_text()
     assert table.count("(not run)") == 3 and "Slope: not fitted" in table
+    assert lc.restore(STUDY, tmp_path / "again", tmp_path / "out" / "summary.json") == 0  # nothing kept yet

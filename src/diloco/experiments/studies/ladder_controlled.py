@@ -355,6 +355,8 @@ def kept_runs(study: Study, r: dict):
                 yield (r["rung"], method, float(lr), seed, "tune"), run
     for method, finals in r["finals"].items():
         best = r["sweeps"][method]["best"]
+        if best is None:  # not tuned yet: no finals
+            continue
         for seed, run in zip(study.report_seeds, finals):
             yield (r["rung"], method, best, seed, "report"), run
 
