@@ -18,6 +18,7 @@ from diloco.diloco import DiLoCo
 from diloco.distributed import DataParallel, DistContext, LocalTraining
 from diloco.dumb_diloco.node.ranks import NodeRanks
 from diloco.dumb_diloco.node.strategy import DumbDiLoCo
+from diloco.schema import DiLoCoConfig
 from diloco.strategy import Strategy
 
 STRATEGIES = [LocalTraining, DataParallel, DiLoCo, DumbDiLoCo, NodeRanks]
@@ -71,22 +72,8 @@ def test_every_strategy_has_the_protocols_methods_and_signatures(cls):
 def test_the_in_process_strategies_are_instances_of_the_protocol():
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    diloco = DiLoCo(
-        model,
-        optimizer,
-        SoloCollective(),
-        inner_steps=2,
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        nesterov=True,
-        pseudo_grad_dtype="float32",
-        fp16_scaling=False,
-        global_copy_device="cpu",
-        reset_inner_optimizer=False,
-        bucket_size_mb=1.0,
-        cosine_sample_size=0,
-        cosine_sample_seed=0,
-    )
+    config = DiLoCoConfig(inner_steps=2, fp16_scaling=False, bucket_size_mb=1.0, cosine_sample_size=0)
+    diloco = DiLoCo(model, optimizer, SoloCollective(), config)
     try:
         for strategy in (LocalTraining(DistContext()), diloco):
             assert isinstance(strategy, Strategy), type(strategy).__name__

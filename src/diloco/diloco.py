@@ -42,7 +42,6 @@ fresh shares; the last round's mean is never applied (it arrives after the run).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -148,32 +147,6 @@ class _InFlight:
         return self.grads
 
 
-# The typed block's fields the constructor takes, by name (`from_config`; tests build from a composed config).
-CONFIG_KEYS = (
-    "inner_steps",
-    "outer_lr",
-    "outer_momentum",
-    "nesterov",
-    "pseudo_grad_dtype",
-    "fp16_scaling",
-    "error_feedback",
-    "quant_block_size",
-    "topk_density",
-    "topk_chunk",
-    "topk_normalize",
-    "topk_ef_decay",
-    "fragments",
-    "overlap_steps",
-    "fragment_alpha",
-    "eager_updates",
-    "global_copy_device",
-    "reset_inner_optimizer",
-    "bucket_size_mb",
-    "cosine_sample_size",
-    "cosine_sample_seed",
-)
-
-
 class DiLoCo:
     name = "diloco"
 
@@ -187,62 +160,45 @@ class DiLoCo:
         # DDP inside the worker; also checks that every rank holds the same shapes and initial weights
         inner = DataParallel(ctx, model, group=ctx.worker_group, bucket_cap_mb=dcfg.ddp_bucket_cap_mb)
         timeout = dcfg.timeout_seconds
-        values = dataclasses.asdict(dcfg)
         intra = comm.group_collective(ctx.worker_group, timeout)
         cross = collective if collective is not None else comm.group_collective(ctx.cross_group, timeout)
-        return cls(
-            model, optimizer, cross, intra=intra, inner_strategy=inner, **{k: values[k] for k in CONFIG_KEYS}
-        )
+        return cls(model, optimizer, cross, dcfg, intra=intra, inner_strategy=inner)
 
     def __init__(
         self,
         model: torch.nn.Module,
         inner_optimizer: torch.optim.Optimizer,
         cross: comm.Collective,
+        config: DiLoCoConfig,
         *,
-        inner_steps: int,
-        outer_lr: float,
-        outer_momentum: float,
-        nesterov: bool,
-        pseudo_grad_dtype: str,
-        fp16_scaling: bool,
-        global_copy_device: str,
-        reset_inner_optimizer: bool,
-        bucket_size_mb: float,
-        cosine_sample_size: int,
-        cosine_sample_seed: int,
-        error_feedback: bool | None = None,
-        quant_block_size: int = 256,
-        topk_density: float = 1 / 64,
-        topk_chunk: int = sparse.MAX_CHUNK,
-        topk_normalize: str = "none",
-        topk_ef_decay: float = 1.0,
-        fragments: int = 1,
-        overlap_steps: int = 0,
-        fragment_alpha: float = 0.0,
-        eager_updates: bool = False,
         intra: comm.Collective | None = None,
         inner_strategy: DataParallel | None = None,  # DDP among the worker's ranks
     ):
+        """`config`: the typed `distributed:` block (checked by `diloco.config`, not here); `cross`: the
+        averaging across workers; `intra`: the worker's own ranks (None: one rank)."""
+        c = config
+        inner_steps, overlap_steps = c.inner_steps, c.overlap_steps
         self.inner_optimizer, self.inner_steps = inner_optimizer, inner_steps
-        self.reset_inner_optimizer = reset_inner_optimizer
+        self.reset_inner_optimizer = c.reset_inner_optimizer
         self.cross, self.intra = cross, intra or comm.SoloCollective()
         self.num_workers = cross.size
         self.inner_strategy = inner_strategy
-        topk = (topk_density, topk_chunk, topk_normalize, topk_ef_decay)
+        topk = (c.topk_density, c.topk_chunk, c.topk_normalize, c.topk_ef_decay)
         self.averager = make_averager(
-            cross, pseudo_grad_dtype, fp16_scaling, error_feedback, quant_block_size, topk
+            cross, c.pseudo_grad_dtype, c.fp16_scaling, c.error_feedback, c.quant_block_size, topk
         )
-        self.buckets, self.fragments = fragment_buckets(list(model.parameters()), fragments, bucket_size_mb)
-        self._fragment_params = fragment_parameters(list(model.parameters()), fragments)
+        self.buckets, self.fragments = fragment_buckets(
+            list(model.parameters()), c.fragments, c.bucket_size_mb
+        )
+        self._fragment_params = fragment_parameters(list(model.parameters()), c.fragments)
         # fragment f is synchronised at inner steps (f + 1) * H / P modulo H (P=1: every H steps)
-        self._schedule = {(f + 1) * inner_steps // fragments % inner_steps: f for f in range(fragments)}
-        self.overlap_steps, self.fragment_alpha = overlap_steps, fragment_alpha
-        if eager_updates and overlap_steps != inner_steps:
+        self._schedule = {(f + 1) * inner_steps // c.fragments % inner_steps: f for f in range(c.fragments)}
+        self.overlap_steps, self.fragment_alpha = overlap_steps, c.fragment_alpha
+        if c.eager_updates and overlap_steps != inner_steps:
             raise ValueError(
                 f"eager_updates needs overlap_steps = inner_steps ({inner_steps}), got {overlap_steps}"
             )
-        self.eager_updates = eager_updates
+        self.eager_updates = c.eager_updates
         self._in_flight: list[_InFlight] = []
         # tau > 0, one rank per worker: the averaging runs on this thread during the next tau inner steps
         # (with G > 1 ranks it would race DDP's collectives on the worker's group: it blocks instead)
@@ -251,13 +207,13 @@ class DiLoCo:
             self._transfer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diloco-transfer")
         self.sizes = [[p.numel() for p in b] for b in self.buckets]
         self.device = next(model.parameters()).device
-        home = torch.device("cpu") if global_copy_device == "cpu" else self.device
+        home = torch.device("cpu") if c.global_copy_device == "cpu" else self.device
         with torch.no_grad():  # theta_0, float32
             self.global_params = [
                 torch.cat([p.reshape(-1).float() for p in b]).to(home) for b in self.buckets
             ]
         self.outer_optimizer = OuterOptimizer(
-            self.global_params, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov
+            self.global_params, lr=c.outer_lr, momentum=c.outer_momentum, nesterov=c.nesterov
         )
         # On the CPU a fresh 128 MB buffer costs page faults every round (several times a copy): reuse them.
         self._pseudo_grads = (
@@ -266,7 +222,7 @@ class DiLoCo:
             else None
         )
         positions = comm.sample_positions(
-            [sum(s) for s in self.sizes], cosine_sample_size, cosine_sample_seed, self.device
+            [sum(s) for s in self.sizes], c.cosine_sample_size, c.cosine_sample_seed, self.device
         )
         self.meter = comm.RoundMeter(self.averager, self.intra, positions)
         self.outer_round, self.total_bytes, self.metric_bytes, self.peak_bytes = 0, 0, 0, 0

@@ -20,6 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from diloco.errors import ConfigError
+from diloco.layout import ranks_per_worker
 
 log = logging.getLogger("diloco")
 
@@ -140,20 +141,6 @@ def peer_lost(err: RuntimeError) -> DistributedError:
     )
 
 
-def _resolve_topology(dcfg, world_size: int, local_world_size: int) -> int:
-    """Ranks per worker G: the whole world for DDP and for a DumbDiLoCo node (one torchrun per node);
-    `ranks_per_worker` (default: ranks per node) otherwise."""
-    if dcfg.mode in ("ddp", "dumb_diloco"):
-        return world_size
-    g = dcfg.ranks_per_worker or local_world_size  # validated: a positive integer or None
-    if world_size % g:
-        raise ConfigError(
-            f"world size {world_size} is not divisible by distributed.ranks_per_worker={g}: "
-            f"every DiLoCo worker needs the same number of ranks"
-        )
-    return g
-
-
 def init_distributed(dcfg, device: str = "auto", ranks_per_gpu: int = 1) -> DistContext:
     """Join the process group torchrun describes and build the DiLoCo topology. `dcfg`: the typed
     `distributed:` block `diloco.config.validate` returned (checked there, not here); `device` and
@@ -177,7 +164,8 @@ def init_distributed(dcfg, device: str = "auto", ranks_per_gpu: int = 1) -> Dist
             f"launched with {os.environ['WORLD_SIZE']} ranks but distributed=none; choose distributed=ddp or diloco"
         )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    g = _resolve_topology(dcfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    configured = dcfg.ranks_per_worker if dcfg.mode == "diloco" else None  # only DiLoCo's block has it
+    g = ranks_per_worker(dcfg.mode, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), configured)
     shared = int(ranks_per_gpu)  # ranks per GPU: consecutive local ranks share one
     torch_device = pick_device(device, local_rank // shared)
     timeout = timedelta(seconds=float(dcfg.timeout_seconds)) if dcfg.timeout_seconds else None

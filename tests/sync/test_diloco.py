@@ -13,6 +13,7 @@ from diloco.checkpoint import CheckpointError
 from diloco.comm import SoloCollective
 from diloco.config import ConfigError
 from diloco.diloco import DiLoCo, make_buckets
+from diloco.schema import DiLoCoConfig
 
 HYPER = dict(
     inner_steps=2,
@@ -43,7 +44,7 @@ class TinyModel(torch.nn.Module):
 
 def diloco_for(model, coll, **overrides):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return DiLoCo(model, opt, coll, **{**HYPER, **overrides}), opt
+    return DiLoCo(model, opt, coll, DiLoCoConfig(**{**HYPER, **overrides})), opt
 
 
 def test_outer_step_is_sgd_nesterov_on_the_mean_pseudo_gradient():

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from diloco.comm import InProcessGroup
 from diloco.config import check_distributed
-from diloco.diloco import CONFIG_KEYS, DiLoCo
+from diloco.diloco import DiLoCo
 
 STEPS, H, BATCH = 6, 3, 8  # 2 outer rounds; BATCH rows per worker per step
 
@@ -139,7 +139,7 @@ def in_process(workers: int, dtype: str, micro: int, **overrides):
     def body(w):
         try:
             opt = torch.optim.AdamW(models[w].parameters(), lr=1e-2)
-            algo = DiLoCo(models[w], opt, group.member(w), **{k: cfg[k] for k in CONFIG_KEYS})
+            algo = DiLoCo(models[w], opt, group.member(w), check_distributed(cfg))
             records = train_tiny(algo, models[w], opt, w, 0, 1, micro)
             out[w] = {"weights": flat(models[w].parameters()), "records": records}
         except BaseException as e:
@@ -207,10 +207,8 @@ def hung_peer(ctx, timeout: float) -> dict:
 
     group = dist.new_group([0, 1], timeout=timedelta(seconds=timeout))
     model = TinyModel()
-    hyper = {k: diloco_cfg().distributed[k] for k in CONFIG_KEYS}
-    algo = DiLoCo(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), TorchCollective(group, timeout), **hyper
-    )
+    config = check_distributed(diloco_cfg().distributed)
+    algo = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), TorchCollective(group, timeout), config)
     store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store, not the hung group
     if ctx.rank == 1:  # alive with its sockets open until rank 0 has its answer: a rendezvous, not a sleep
         store.wait(["hung-peer-done"], timedelta(seconds=240))

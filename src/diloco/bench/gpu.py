@@ -149,24 +149,17 @@ def outer_step_time(model, device, global_copy_device: str, repeats: int) -> dic
     """The project's DiLoCo.outer_step, one worker (nothing to average with), float32 wire."""
     from diloco import comm
     from diloco.diloco import DiLoCo
+    from diloco.schema import DiLoCoConfig
 
     inner = torch.optim.AdamW(model.parameters())
-    dl = DiLoCo(
-        model,
-        inner,
-        comm.SoloCollective(),
+    config = DiLoCoConfig(
         inner_steps=1,
         outer_lr=0.7,
-        outer_momentum=0.9,
-        nesterov=True,
-        pseudo_grad_dtype="float32",
-        fp16_scaling=True,
         global_copy_device=global_copy_device,
-        reset_inner_optimizer=False,
         bucket_size_mb=128,
         cosine_sample_size=0,
-        cosine_sample_seed=0,
     )
+    dl = DiLoCo(model, inner, comm.SoloCollective(), config)
     params = list(model.parameters())
     times = []
     for i in range(repeats + 1):

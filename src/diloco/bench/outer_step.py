@@ -44,6 +44,7 @@ import torch
 from diloco import comm
 from diloco.bench import common as bc
 from diloco.diloco import DiLoCo
+from diloco.schema import DiLoCoConfig
 
 TARGET = 2.0
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
@@ -89,22 +90,15 @@ class ProjectWorker:
     def __init__(self, shapes, coll: comm.Collective, dtype: str):
         self.model = Params(shapes, 0.01)
         inner = torch.optim.AdamW(self.model.parameters())  # only read for reset_inner_optimizer
-        self.diloco = DiLoCo(
-            self.model,
-            inner,
-            coll,
+        config = DiLoCoConfig(
             inner_steps=1,
             outer_lr=OUTER_LR,
             outer_momentum=OUTER_MOMENTUM,
-            nesterov=True,
             pseudo_grad_dtype=dtype,
-            fp16_scaling=True,
-            global_copy_device="cpu",
-            reset_inner_optimizer=False,
             bucket_size_mb=128,
             cosine_sample_size=0,
-            cosine_sample_seed=0,
         )
+        self.diloco = DiLoCo(self.model, inner, coll, config)
         self.params = list(self.model.parameters())
 
     def local_training(self, rank: int) -> None:

@@ -18,6 +18,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 import diloco.configs
+from diloco.errors import ConfigError
+from diloco.layout import ranks_per_worker
 
 CONFIGS = Path(diloco.configs.__file__).parent  # configs/ of the checkout, or of the installed package
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -62,7 +64,7 @@ def check_run(overrides: list[str]) -> str | None:
     """Validate `python -m diloco.train <overrides>` as the trainer will before it builds anything
     (the same `validate`, and the batch split over the ranks the launch gives each worker); returns
     the trainer's notice about the schedule, if any. Raises PlanError with the trainer's line."""
-    from diloco.config import ConfigError, check_batch_split, schedule_notice, validate
+    from diloco.config import check_batch_split, schedule_notice, validate
     from diloco.dumb_diloco.store.budget import config_budget, on_hub
 
     cfg = compose_overrides(overrides)
@@ -115,14 +117,18 @@ def unique_train_tokens(data_cfg) -> int:
 
 
 def topology(cfg: DictConfig) -> dict:
+    """The launch's shape: nodes, ranks per node, GPUs each node needs, ranks in all, and workers (a
+    DumbDiLoCo run's are its nodes, one torchrun each; the rest by `diloco.layout`, the runtime's rule)."""
     nodes, gpus = int(cfg.launch.nodes), int(cfg.launch.gpus_per_node)
     world = nodes * gpus
     mode = cfg.distributed.mode
-    if mode == "diloco":
-        per_worker = cfg.distributed.get("ranks_per_worker") or gpus
-        workers = world // per_worker
-    elif mode == "dumb_diloco":
-        workers = nodes  # one DumbDiLoCo node per machine (or per GPU, see README)
+    if mode == "dumb_diloco":
+        workers = nodes
+    elif mode == "diloco":
+        try:
+            workers = world // ranks_per_worker(mode, world, gpus, cfg.distributed.get("ranks_per_worker"))
+        except ConfigError as e:
+            raise PlanError(str(e)) from None
     else:
         workers = 1
     shared = int(cfg.launch.get("ranks_per_gpu") or 1)  # ranks sharing one GPU (the one-GPU family)
