@@ -249,9 +249,9 @@ def _run_node(rendezvous: Path, overrides: list[str]) -> None:
             _wait_for(lambda: _published_step(self.transport) >= 1, "the master's outer step 1")
             _wait_for(lambda: not self.uploader.uploading, "the upload in flight")
             if self.s.async_global_poll:
-                _wait_for(lambda: not self.polling, "the poll in flight")
+                _wait_for(lambda: not self.poller.in_flight, "the poll in flight")
                 assert self.poll()
-                _wait_for(lambda: not self.polling, "a poll of the newer global")
+                _wait_for(lambda: not self.poller.in_flight, "a poll of the newer global")
         return on_step(self, local_step)
 
     DumbDiLoCo.on_step = on_step_installing_at_the_end

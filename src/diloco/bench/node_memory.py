@@ -130,7 +130,7 @@ def run_worker(root: Path, params: int, case: str, rounds: int) -> None:
         while time.monotonic() < deadline and not _has_global(node, r + 1):
             time.sleep(0.02)
             node.collect()
-            if not node.polling:
+            if not node.poller.in_flight:
                 node.poll()
     peak = _status_mib("VmHWM")
     model_mib = sum(torch.Size(x).numel() for x in layout.values()) * 4 / MiB

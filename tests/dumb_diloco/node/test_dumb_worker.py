@@ -322,7 +322,7 @@ def test_v2_polls_in_the_background_and_installs_on_the_training_thread(tmp_path
     repo.calls.clear()
     clock.advance(2.0)
     coord.on_step(1)  # asks the poll lane
-    wait_until(lambda: not coord.polling)
+    wait_until(lambda: not coord.poller.in_flight)
     coord.on_step(2)  # collects the staged global, does not install it
     assert not torch.equal(model.w.detach(), new["w"])
     installed = coord.on_step(3).installed

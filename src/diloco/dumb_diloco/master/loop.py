@@ -377,6 +377,21 @@ class OuterLoop:
                 self.errors += 1
                 log.error("master: cannot save the master state to %s: %s", self.state_dir, err)
 
+    def ledger_entry(self, identity: tuple[str, int, str]) -> LedgerEntry | None:
+        """What the ledger holds for a delta (node, local step, sha256), under the lock."""
+        with self.lock:
+            return self.state.ledger.get(identity)
+
+    def node_steps_applied(self) -> int:
+        """Every node's newest applied local step, summed (under the lock)."""
+        with self.lock:
+            return sum(max(step, 0) for step in self.state.ledger.included.values())
+
+    def checkpoint(self) -> dict:
+        """The full outer state, for the trainer's checkpoint (under the lock)."""
+        with self.lock:
+            return self.state.to_checkpoint()
+
     def snapshot(self) -> GlobalSnapshot:
         with self.lock:
             state, ledger = self.state.published(), self.state.ledger

@@ -123,16 +123,14 @@ class MasterRole:
             return "none: this node uploaded no delta"
         if self.outer is None:
             return "not applied"
-        with self.outer.lock:
-            e = self.outer.state.ledger.get(identity)
+        e = self.outer.ledger_entry(identity)
         return f"{e.status} at outer step {e.outer_step}" if e is not None else "not applied"
 
     def state_dict(self) -> dict | None:
         """The full outer state, for the trainer's checkpoint (None before `start`)."""
         if self.outer is None:
             return None
-        with self.outer.lock:
-            return self.outer.state.to_checkpoint()
+        return self.outer.checkpoint()
 
     def metrics(self) -> dict[str, float]:
         o = self.outer
@@ -154,8 +152,7 @@ class MasterRole:
         """Every node's newest applied local step, summed."""
         if self.outer is None:
             return 0
-        with self.outer.lock:
-            return sum(max(step, 0) for step in self.outer.state.ledger.included.values())
+        return self.outer.node_steps_applied()
 
     def describe_left(self) -> str:
         return self.outer.describe_left() if self.outer is not None else ""

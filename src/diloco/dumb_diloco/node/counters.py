@@ -26,10 +26,11 @@ class Counters:
     def state_dict(self) -> dict[str, int | float]:
         return dataclasses.asdict(self)
 
-    def loaded(self, state: dict) -> "Counters":
-        """These counters with a checkpoint's values where it has them (an older checkpoint may lack some)."""
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's values where it has them (an older checkpoint may lack some), in place: the
+        node's parts that count (uploader, poller, stall meter) hold these counters."""
         values = dataclasses.asdict(self)
         for f in fields(self):
             if f.name in state:
                 values[f.name] = f.type(state[f.name])
-        return Counters(**values)
+        self.__init__(**values)  # the same object, every field set again

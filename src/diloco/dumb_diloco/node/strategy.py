@@ -1,8 +1,9 @@
 """`distributed=dumb_diloco` for the trainer: `DumbDiLoCo`, one node (master or worker) of a DumbDiLoCo
 run, composed of parts that own their state: the `Uploader` (uploader.py: baseline, carry, the upload
 lane, the final delta and marker), the `Installer` (install.py: the staged and installed global,
-translate's snapshots), the `Joiner` (joiner.py: the store, the first global, the quorum) and the
-`Counters` (counters.py); on the master, the `MasterRole` (master/role.py: the lease, the outer loop).
+translate's snapshots), the `Joiner` (joiner.py: the store, the first global, the quorum), the `Poller`
+(poller.py: the poll lane and its cadence), the `StallMeter` (stall.py: the training thread's time inside
+and between steps) and the `Counters` (counters.py, shared by the parts that count); on the master, the `MasterRole` (master/role.py: the lease, the outer loop).
 
 The seven steps after each optimizer step: (1) the trainer calls `after_inner_step`; `on_step` receives
 the local step (2); at a boundary (local_step % inner_steps == 0; or every H x pace steps,
@@ -26,14 +27,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -53,8 +52,10 @@ from .counters import Counters
 from .ending import await_final_status
 from .install import Installer
 from .joiner import GlobalReader, Joiner
-from .lanes import Buffers, DeltaJob, InlineLane, describe, fail_fast
+from .lanes import Buffers, DeltaJob, InlineLane, fail_fast
+from .poller import Poller
 from .progress import GlobalProgress
+from .stall import StallMeter
 from .uploader import Uploader
 
 log = logging.getLogger("diloco.dumb_diloco")
@@ -120,6 +121,7 @@ class DumbDiLoCo:
             self.delta_keys,
             self.buffers,
             self.codec,
+            self.counters,
             tokens_per_step=tokens_per_step,
             samples_per_step=samples_per_step,
             clock=clock,
@@ -137,17 +139,13 @@ class DumbDiLoCo:
         self.started = False
         self.closed = False
         self.local_step = 0  # the last step the trainer reported
-        self._poll_lane: Any = None  # a one-thread executor or InlineLane, from `start`
-        self._polling: Future | None = None
-        self._last_poll = -math.inf
+        self.poller = Poller(settings, self.counters, self.fetch_global, self.stage, clock)  # step 5
+        self.stall = StallMeter(self.counters)
         # the lease and the outer loop (master/role.py); None: a worker
         self.master: MasterRole | None = self._master_role(manual_rounds) if settings.is_master else None
         self._resume: dict | None = None  # a trainer checkpoint taken mid-inner-loop (past the spec)
         self.pace_check = PaceCheck()  # the Hub commit budget at this node's measured pace
         self.final_status = ""  # after finish: what became of this node's final delta
-        self.max_boundary_stall = 0.0
-        self.busy_seconds, self.busy_steps = 0.0, 0  # the trainer's time between steps
-        self._left: float | None = None  # when the last on_step returned
 
     def _master_role(self, manual_rounds: bool) -> MasterRole:
         return MasterRole(
@@ -235,15 +233,6 @@ class DumbDiLoCo:
         return self.master.outer if self.master is not None else None
 
     @property
-    def polling(self) -> bool:
-        return self._polling is not None and not self._polling.done()
-
-    @property
-    def step_micros(self) -> int:
-        """This node's busy microseconds per step so far (0 before its second step)."""
-        return round(1e6 * self.busy_seconds / self.busy_steps) if self.busy_steps else 0
-
-    @property
     def total_bytes(self) -> int:
         outer = self.master.total_bytes if self.master is not None else 0
         return self.counters.bytes_uploaded + self.counters.bytes_downloaded + outer
@@ -282,10 +271,8 @@ class DumbDiLoCo:
             )
         if self.master is not None and self.master.dead:  # a dead outer loop fails the master's run
             raise self.s.error(f"the outer loop stopped: {self.master.dead}")
-        t0, now = time.perf_counter(), self.clock()
-        if self._left is not None:  # the trainer's time for this step, without this node's stalls
-            self.busy_seconds += now - self._left
-            self.busy_steps += 1
+        t0 = time.perf_counter()
+        self.stall.entered(self.clock())  # the trainer's time for this step, without this node's stalls
         self.local_step = local_step  # 2
         self.uploader.count_step()
         self.collect()
@@ -295,8 +282,8 @@ class DumbDiLoCo:
         else:
             boundary = local_step % self.s.inner_steps == 0
         captured, installed_now = self._boundary(local_step) if boundary else (False, False)
-        if boundary or self.clock() - self._last_poll >= self.s.poll_interval:
-            self._last_poll = self.clock()
+        if boundary or self.poller.due():
+            self.poller.asked()
             self.poll()  # 5
         self.collect()  # inline lanes (v1) are done already
         if captured and self.s.install_wait_seconds > 0:
@@ -304,17 +291,15 @@ class DumbDiLoCo:
         when_staged = self.translating and self.s.install_when_staged  # mid-round: no progress is lost
         installed = ((captured or when_staged) and self.install_staged()) or installed_now  # 6
         stall = time.perf_counter() - t0
-        self.counters.stall_seconds += stall
+        self.stall.stalled(stall, boundary)
         result = StepResult(installed and self.s.reset_inner_optimizer, installed)  # 7
         if boundary:
-            self.counters.boundary_stall_seconds += stall
-            self.max_boundary_stall = max(self.max_boundary_stall, stall)
             if isinstance(self.transport, HubTransport):
                 warn = self.pace_check.boundary(self.s, self.clock())
                 if warn:
                     log.warning("node %s: at this node's pace, %s", self.s.node_id, warn)
             result.metrics = self.metrics(stall)
-        self._left = self.clock()
+        self.stall.left(self.clock())
         return result
 
     def _boundary(self, local_step: int) -> tuple[bool, bool]:
@@ -339,7 +324,7 @@ class DumbDiLoCo:
     def capture(self, local_step: int) -> DeltaJob:
         """Step 3 (uploader.capture): the weights' snapshot becomes the baseline; translate keeps it until
         an installed global includes its delta."""
-        step_micros = self.step_micros if self.s.dynamic_local_steps else 0  # for the others' paces
+        step_micros = self.stall.step_micros if self.s.dynamic_local_steps else 0  # for the others' paces
         job = self.uploader.capture(local_step, self.installer.outer_step, step_micros)
         self.installer.remember(local_step, job.snapshot)
         return job
@@ -354,40 +339,28 @@ class DumbDiLoCo:
             if staged is not None and staged.included.get(self.s.node_id, -1) >= local_step:
                 return
             self.sleep(min(0.05, self.s.poll_interval))
-            if self.clock() - self._last_poll >= self.s.poll_interval:
-                self._last_poll = self.clock()
+            if self.poller.due():
+                self.poller.asked()
                 self.poll()
             self.collect()
 
     def poll(self) -> bool:
         """Step 5 (False if a poll is still in flight). The master's globals come from its own outer
         loop (the snapshot callback) instead."""
-        if self.s.is_master or self.polling:
+        if self.s.is_master or self.poller.in_flight:
             return False
         self.collect()
-        self._polling = self._poll_lane.submit(self.fetch_global)
-        return True
+        return self.poller.submit()
 
     def collect(self) -> None:
-        """What the lanes finished since the last call: an upload (counted; a failed one carried into
-        the next delta) and a poll (its global staged)."""
+        """What the lanes finished since the last call: an upload (a failed one carried into the next
+        delta) and a poll (its global staged)."""
         done = self.uploader.collect()
-        if done is not None and done.error is None:
-            self.counters.uploads += 1
-            self.counters.bytes_uploaded += done.bytes
-        elif done is not None:
-            self.counters.upload_failures += 1
+        if done is not None and done.error is not None:
             fail_fast(self.s, done.error, f"uploading {done.job.path}")
             self.installer.forget(done.job.local_step)  # no global will include it: the next delta does
             self.uploader.carry_over(done)
-        if self._polling is not None and self._polling.done():
-            future, self._polling = self._polling, None
-            err = future.exception()
-            snapshot = future.result() if err is None else None
-            if err is not None:
-                self._fetch_failed(err)
-            elif snapshot is not None:
-                self.stage(snapshot)
+        self.poller.collect()
 
     # ---------------------------------------------------------------- globals
 
@@ -406,16 +379,8 @@ class DumbDiLoCo:
         try:
             return self.fetch_global()
         except Exception as err:  # a poll never kills training
-            self._fetch_failed(err)
+            self.poller.failed(err)
             return None
-
-    def _fetch_failed(self, err: BaseException) -> None:
-        fail_fast(self.s, err, "polling for a global")
-        if isinstance(err, InvalidTensorFile):
-            log.error("node %s: not installing the repository's global: %s", self.s.node_id, err.reason)
-        else:
-            self.counters.poll_failures += 1
-            log.warning(f"node {self.s.node_id}: polling for a global failed ({describe(err)}); will retry")
 
     def newest_known(self) -> int:
         return self.installer.newest_known()
@@ -444,7 +409,7 @@ class DumbDiLoCo:
         baseline, restarted = self.installer.install(snapshot, up.baseline, up.in_flight, job)
         up.rebase(baseline, restart=restarted)  # translate: the node's own progress stays on top
         self.global_progress.installed(
-            snapshot.included, self.local_step, snapshot.step_micros, self.step_micros
+            snapshot.included, self.local_step, snapshot.step_micros, self.stall.step_micros
         )
         self.counters.installs += 1
         log.info("node %s: installed global outer step %d", self.s.node_id, snapshot.outer_step)
@@ -486,7 +451,6 @@ class DumbDiLoCo:
             elif not self.install_staged():
                 raise self.s.error("the global model cannot be installed into this model")
         self._start_lanes()
-        self._last_poll = self.clock()
         self.started = True
         upload, poll = ("async" if on else "sync" for on in (s.async_delta_upload, s.async_global_poll))
         poll = "callback" if s.is_master else poll
@@ -502,7 +466,7 @@ class DumbDiLoCo:
             return ThreadPoolExecutor(1, f"dumb-diloco-{name}-{s.node_id}") if on else InlineLane()
 
         self.uploader.start(lane("upload", s.async_delta_upload))
-        self._poll_lane = lane("poll", s.async_global_poll and not s.is_master)
+        self.poller.start(lane("poll", s.async_global_poll and not s.is_master))
 
     # ---------------------------------------------------------------- the end
 
@@ -556,7 +520,7 @@ class DumbDiLoCo:
             self.uploader.dispatch(self.capture(self.local_step))
             if not self.wait_upload(end):
                 return
-        self.uploader.mark_finished(self.local_step, self.counters.uploads)
+        self.uploader.mark_finished(self.local_step)
 
     def wait_upload(self, end: float) -> bool:
         """Wait for the upload in flight (if any) until `end`; True when none is in flight any more."""
@@ -573,8 +537,7 @@ class DumbDiLoCo:
         self.closed = True
         self.wait_upload(self.clock() + self.s.shutdown_timeout)
         self.uploader.shutdown()
-        if self._poll_lane is not None:
-            self._poll_lane.shutdown(wait=False, cancel_futures=True)
+        self.poller.shutdown()
         if self.master is not None:
             self.master.close()  # a last outer round, then the lock released
         if self.uploader.carry is not None:
@@ -617,7 +580,7 @@ class DumbDiLoCo:
         out = self.metrics() | {
             "comm/boundary_stall_seconds": c.boundary_stall_seconds,
             "comm/boundary_stall_seconds_mean": c.boundary_stall_seconds / max(c.boundaries, 1),
-            "comm/boundary_stall_seconds_max": self.max_boundary_stall,
+            "comm/boundary_stall_seconds_max": self.stall.max_boundary,
             "comm/boundaries": c.boundaries,
             "outer/rejected_globals": c.rejected_globals,
             "dumb_diloco/role": s.role,
@@ -677,7 +640,7 @@ class DumbDiLoCo:
 
     def load_state_dict(self, state: dict) -> None:
         """Before `start`: counters now; the master state and a mid-inner-loop baseline at `start`."""
-        self.counters = self.counters.loaded(state)
+        self.counters.load_state_dict(state)
         self.uploader.resume_identity(state.get("last_uploaded"))
         if "progress" in state:  # the run step as it was; the next install replaces it
             self.global_progress.load_state_dict(state["progress"])

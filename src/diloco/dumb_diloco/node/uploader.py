@@ -26,6 +26,7 @@ from ..store.transport import Transport
 from ..wire.delta_codec import DeltaCodec
 from ..wire.repo_paths import delta_path
 from ..wire.tensor_format import DeltaMeta, parse_header
+from .counters import Counters
 from .ending import write_marker
 from .lanes import Buffers, DeltaJob, OwnCopy, describe
 
@@ -53,6 +54,7 @@ class Uploader:
         delta_keys: list[str],
         buffers: Buffers,
         codec: DeltaCodec,
+        counters: Counters,
         *,
         tokens_per_step: int,
         samples_per_step: int,
@@ -63,6 +65,7 @@ class Uploader:
         self.delta_keys = delta_keys
         self.buffers = buffers
         self.codec = codec
+        self.counters = counters  # the node's: this part counts its uploads, their bytes and failures
         self.clock = clock
         self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
         self.translating = settings.install == "translate"
@@ -180,8 +183,8 @@ class Uploader:
             job.encoded.set()  # also when it failed before encoding
 
     def collect(self) -> Finished | None:
-        """The upload that ended since the last call, if one did (training thread). A failed one is the
-        node's to judge (fail fast, or `carry_over`)."""
+        """The upload that ended since the last call, if one did (training thread), counted. A failed one
+        is the node's to judge (fail fast, or `carry_over`)."""
         if self._upload is None or not self._upload[1].done():
             return None
         (job, future), self._upload = self._upload, None
@@ -191,6 +194,7 @@ class Uploader:
         job.free = None
         err = future.exception()
         if err is not None:
+            self.counters.upload_failures += 1
             return Finished(job, error=err)
         if job.in_place and job.file is not None:  # the uploaded delta's buffer: a snapshot again
             self.buffers.keep(OwnCopy.of_file(job.file))
@@ -198,6 +202,8 @@ class Uploader:
         n, sha = future.result()
         self.last_uploaded = (job.local_step, sha)
         self.last_delta_bytes = n
+        self.counters.uploads += 1
+        self.counters.bytes_uploaded += n
         log.info(f"node {self.s.node_id}: uploaded {job.path} ({n} bytes, {job.seconds:.2f}s)")
         return Finished(job, n)
 
@@ -232,11 +238,11 @@ class Uploader:
         otherwise = "the master may not wait for it at the end"
         write_marker(self.transport, self.s.node_id, {"state": "running"}, "running", otherwise)
 
-    def mark_finished(self, local_step: int, uploads: int) -> None:
+    def mark_finished(self, local_step: int) -> None:
         """The final marker, once the last upload succeeded or failed for good: it names the last delta."""
         step, sha = self.last_uploaded or (-1, "")
         marker = {"state": "finished", "last_local_step": step, "last_delta_sha256": sha}
-        marker |= {"local_step": local_step, "uploads": uploads}
+        marker |= {"local_step": local_step, "uploads": self.counters.uploads}
         if self._carry is not None:
             marker["steps_never_uploaded"] = self._carry.steps
         what = f"final marker (last delta at local step {step})"
