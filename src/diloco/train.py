@@ -49,6 +49,7 @@ from diloco.distributed import (
     init_distributed,
     shutdown_distributed,
 )
+from diloco.errors import RunError
 from diloco.metrics import RunLogger, git_commit, nothing_left_on
 from diloco.model import build_model, count_parameters, shape_fingerprint
 from diloco.schedule import build_schedule
@@ -57,7 +58,7 @@ from diloco.timing import Clock, InjectedPace
 
 log = logging.getLogger("diloco")
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError, CommError, DistributedError)
+USER_ERRORS = (ConfigError, RunError, DataError, CheckpointError, CommError, DistributedError)
 
 
 def build_strategy(

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from diloco.config import check_distributed
-from diloco.errors import ConfigError
+from diloco.errors import ConfigError, RunError
 from diloco.schema import DumbDiLoCoConfig
 
 from .store.transport import RetryPolicy
@@ -22,9 +22,9 @@ from .store.transport import RetryPolicy
 log = logging.getLogger("diloco.dumb_diloco")
 
 
-class DumbDiLoCoError(ConfigError):
-    """A node that cannot take part (bad setting, unreachable repository, no master): one readable line.
-    A ConfigError, so the trainer prints it as `error: ...` instead of a traceback."""
+class DumbDiLoCoError(RunError):
+    """A node that cannot take part or go on (unreachable repository, no master, a foreign global, a
+    refused token): one readable line naming the node. A bad setting is a ConfigError instead."""
 
 
 @dataclass

@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from diloco.errors import ConfigError
+
 from ..settings import DumbDiLoCoError, Settings
 from ..store.transport import (
     RemoteNotFound,
@@ -199,7 +201,7 @@ class Joiner:
                 s.repo_id, token=s.token, create=s.is_master, retry=s.retry, timeout_s=s.request_timeout
             )
         except ValueError as err:
-            raise DumbDiLoCoError(f"distributed.repo_id: {err}") from None
+            raise ConfigError(f"distributed.repo_id: {err}") from None
         return self.wrap_transport(transport) if self.wrap_transport is not None else transport
 
     def _no_global(self, waiting_for: str) -> DumbDiLoCoError:

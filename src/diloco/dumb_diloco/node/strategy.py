@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from diloco.errors import ConfigError
 from diloco.model import weights_sha256
 from diloco.schema import DumbDiLoCoConfig
 from diloco.strategy import RunShape
@@ -184,7 +185,7 @@ class DumbDiLoCo:
 
         settings = Settings.of(dcfg)
         if settings.budget == "global" and ctx.world_size > 1:  # its ranks would need rank 0's run step
-            raise settings.error("distributed.budget=global is not supported yet for a node of several ranks")
+            raise ConfigError("distributed.budget=global is not supported yet for a node of several ranks")
         ddp = DataParallel(ctx, model) if ctx.world_size > 1 else None
         if shape.shard is None and ctx.is_main:
             log.warning(
