@@ -3,6 +3,7 @@ transport wrapper that records and injects faults, and a fake clock."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import torch
 
 from diloco.config import check_dumb_diloco
-from diloco.dumb_diloco.master.loop import OuterLoop
+from diloco.dumb_diloco.master.loop import OuterConfig, OuterLoop
 from diloco.dumb_diloco.master.recovery import MasterState
 from diloco.dumb_diloco.node.strategy import DumbDiLoCo
 from diloco.dumb_diloco.settings import Settings
@@ -155,22 +156,22 @@ def make_loop(
 ) -> tuple[OuterLoop, Transport]:
     """A master's `OuterLoop` on `repo` (a transport, or a directory: a DirectoryTransport on <repo>/repo)
     over `state` (a MasterState, or a model's state dict at outer step 0; default Tiny's), with the spec's
-    outer optimizer; `kw` goes to OuterLoop. `publish`: publish the global as a starting master does.
+    outer optimizer; `kw` goes to OuterConfig or OuterLoop, by name. `publish`: publish the global as a starting master does.
     Returns the loop and its transport."""
     transport = DirectoryTransport(repo / "repo") if isinstance(repo, Path) else repo
     if state is None or isinstance(state, dict):
         state = MasterState.from_model_state(Tiny().state_dict() if state is None else state)
-    loop = OuterLoop(
-        transport,
-        state,
-        node_id=node_id,
-        outer_lr=lr,
-        outer_momentum=momentum,
-        poll_interval=poll_interval,
-        state_dir=state_dir,
-        max_file_bytes=max_file_bytes,
-        **kw,
+    config_keys = {f.name for f in dataclasses.fields(OuterConfig)}
+    config = OuterConfig(
+        node_id,
+        lr,
+        momentum,
+        poll_interval,
+        max_file_bytes,
+        **{k: v for k, v in kw.items() if k in config_keys},
     )
+    rest = {k: v for k, v in kw.items() if k not in config_keys}
+    loop = OuterLoop(transport, state, config, state_dir=state_dir, **rest)
     if publish:
         loop.publish()
     return loop, transport

@@ -41,7 +41,7 @@ import torch
 
 import diloco
 from diloco.bench import common as bc
-from diloco.dumb_diloco.master.loop import OuterLoop
+from diloco.dumb_diloco.master.loop import OuterConfig, OuterLoop
 from diloco.dumb_diloco.master.recovery import MasterState
 from diloco.dumb_diloco.store.transport import DirectoryTransport
 from diloco.dumb_diloco.wire.repo_paths import delta_path
@@ -89,18 +89,8 @@ def initial_state(layout: dict[str, tuple[int, ...]]) -> MasterState:
 
 
 def outer_loop(repo: DirectoryTransport, layout, quorum: int, collaborators=()) -> OuterLoop:
-    return OuterLoop(
-        repo,
-        initial_state(layout),
-        node_id="master",
-        outer_lr=0.7,
-        outer_momentum=0.9,
-        poll_interval=1.0,
-        state_dir=None,
-        max_file_bytes=2**34,
-        collaborators=collaborators,
-        min_deltas_per_round=quorum,
-    )
+    config = OuterConfig("master", 0.7, 0.9, collaborators=tuple(collaborators), min_deltas_per_round=quorum)
+    return OuterLoop(repo, initial_state(layout), config)
 
 
 def floor_pass(repo: DirectoryTransport, paths: list[str], buf: torch.Tensor) -> dict[str, float]:

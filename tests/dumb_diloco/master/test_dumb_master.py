@@ -508,7 +508,9 @@ def test_gc_never_blocks_a_publication(tmp_path):
     loop.run_once()
     put_delta(repo, "a", 6, g(0.2))
     assert loop.run_once().published  # its GC of a@3 found it gone: published without the deletion
-    assert loop.published_step == 2 and {f.path for f in repo.list("nodes")} == {delta_path("a", 6)}
+    assert loop.publication.published_step == 2 and {f.path for f in repo.list("nodes")} == {
+        delta_path("a", 6)
+    }
 
 
 def test_second_master_refuses_while_the_lease_is_fresh_and_takes_over_after(tmp_path, caplog):
@@ -550,8 +552,8 @@ def test_a_master_whose_lease_was_taken_stops_publishing(tmp_path):
     assert lease["master"] == "m2"
     # a comes back within b's lease (by a's clock: on a loaded machine real time may already be past b's
     # 0.3 s, and b's heartbeats are a thread's); it sees b's fresh lease and stands down
-    a.outer.wall_clock = lambda: lease["heartbeat"]
-    a.outer.cadence.last_lease = -1e9
+    a.outer.publication.wall_clock = lambda: lease["heartbeat"]
+    a.outer.publication.cadence.last_lease = -1e9
     a.outer.heartbeat()
     assert "m2" in a.outer.fenced and not a.outer.publish()
     b.close()
@@ -586,7 +588,7 @@ def test_a_long_round_checks_the_lease_before_publishing(tmp_path):
     repo.write(
         {LEASE_PATH: json.dumps({"master": "m2", "heartbeat": time.time(), "lease_seconds": 60}).encode()}
     )
-    loop.cadence.last_lease -= 31
+    loop.publication.cadence.last_lease -= 31
     put_delta(repo, "a", 3, g(1.0))
     assert not loop.run_once().published and "m2" in loop.fenced
     assert json.loads(repo.read(GLOBAL_STEP_PATH))["outer_step"] == 0  # nothing overwritten

@@ -436,10 +436,9 @@ def read_delta_raw(transport, node_id, step):
 
 def step(coord, i):
     coord.on_step(i)
-    deadline = time.monotonic() + 60
-    while coord.uploader.uploading:  # v2: no boundary skipped for a busy uploader
-        assert time.monotonic() < deadline, "the upload never finished"
-        time.sleep(0.01)
+    wait_until(
+        lambda: not coord.uploader.uploading, "the upload"
+    )  # v2: no boundary skipped for a busy uploader
 
 
 def roundtrip(obj):

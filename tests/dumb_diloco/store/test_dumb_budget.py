@@ -114,13 +114,13 @@ def test_with_a_lease_the_ledger_waits_for_the_heartbeat_instead_of_a_commit_of_
     loop, _ = make_loop(repo, momentum=0.0, lease_seconds=300)
     assert loop.publish()  # global, ledger and lease in one write
     writes = repo.count("write")
-    loop.cadence.ledger_dirty, loop.cadence.last_ledger = (
+    loop.publication.cadence.ledger_dirty, loop.publication.cadence.last_ledger = (
         True,
-        loop.cadence.last_ledger - 120,
+        loop.publication.cadence.last_ledger - 120,
     )  # rejections, 2 min on
     loop.heartbeat()  # the lease is fresh: the old master wrote the ledger alone here, once a minute
-    assert repo.count("write") == writes and loop.cadence.ledger_dirty
-    loop.cadence.last_lease -= 120  # the lease is due (after 100 s): one write holds both
+    assert repo.count("write") == writes and loop.publication.cadence.ledger_dirty
+    loop.publication.cadence.last_lease -= 120  # the lease is due (after 100 s): one write holds both
     loop.heartbeat()
-    assert repo.count("write") == writes + 1 and not loop.cadence.ledger_dirty
+    assert repo.count("write") == writes + 1 and not loop.publication.cadence.ledger_dirty
     assert repo.calls[-1][1] == ",".join([LEASE_PATH, GLOBAL_LEDGER_PATH])

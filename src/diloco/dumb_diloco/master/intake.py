@@ -78,6 +78,19 @@ class Intake:
         self.bytes_downloaded = 0
         self.buffer: bytearray | None = None  # a store that `ReadsInto`: one file buffer, reused (`download`)
 
+    def candidates(self, revision: str) -> list[Candidate]:
+        """Steps 1 and 2 of a round (it starts here: `transient` cleared): the delta files listed now, each
+        with its identity from its header; a header is remembered only while its file version is listed."""
+        self.transient = False
+        listed = self.list(revision)
+        live = {(f.path, getattr(f, "version", "")) for f in listed}
+        self.headers = {k: c for k, c in self.headers.items() if k in live}
+        return [c for f in listed if (c := self.candidate(f, revision)) is not None]
+
+    def end_round(self) -> None:
+        """The round's file buffer goes: no model-sized bytes are held between polls."""
+        self.buffer = None
+
     def list(self, revision: str) -> list:
         """The delta files to consider. Files refused from their path alone (past the spec: a node outside
         `collaborators`, anything under nodes/ that is not a delta) go to `self.refused` for the ledger;

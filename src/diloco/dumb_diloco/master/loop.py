@@ -16,7 +16,6 @@ defaults that differ from it: docs/dumb_diloco.md, "Master outer loop", "Past th
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import threading
@@ -28,14 +27,14 @@ from pathlib import Path
 
 import torch
 
+from ..settings import Settings
 from ..store.base import why_permanent
-from ..store.transport import Transport, TransportError
+from ..store.transport import Transport
 from ..wire.global_state import GlobalSnapshot, delta_layout
-from ..wire.repo_paths import GLOBAL_LEDGER_PATH, LEASE_PATH, utc_now
 from .aggregation import RunningSum
 from .intake import Candidate, Intake
-from .publication import HF_CONFIG_PATH, Cadence, garbage, global_files, lease_blob, ledger_blob
-from .recovery import LedgerEntry, MasterState, read_lease
+from .publication import Publisher
+from .recovery import LedgerEntry, MasterState
 
 log = logging.getLogger("diloco.dumb_diloco")
 
@@ -56,32 +55,58 @@ class RoundResult:
         return len({e.node_id for e in self.applied})
 
 
-@dataclass(eq=False)
-class OuterLoop:
-    """Steps 1-10 of the outer loop over a `Transport`; `start()` runs them in a daemon thread. Never
-    started, the loop is the caller's to drive (a lock-step simulation): each `run_once()` is one round,
-    and `stop()` has no thread to stop (it runs no last round)."""
+@dataclass(frozen=True)
+class OuterConfig:
+    """What the outer loop is told by the `distributed:` block (`of`); every default past the spec is the
+    spec's: a quorum of deltas per round, staleness weights 1/(1+staleness), delayed Nesterov, ledger +
+    momentum published with the global, GC of processed deltas, the single-master lease."""
 
-    transport: Transport
-    state: MasterState
-    _: KW_ONLY
     node_id: str
     outer_lr: float
     outer_momentum: float
-    poll_interval: float
-    state_dir: Path | None
-    max_file_bytes: int
-    collaborators: Iterable[str] = ()  # the nodes whose deltas count (and the master's own); (): every node
-    on_snapshot: Callable[[GlobalSnapshot], None] = lambda snapshot: None
-    hf_config: dict | None = None
-    # past the spec, every default the spec's: a quorum of deltas per round, staleness weights
-    # 1/(1+staleness), delayed Nesterov, ledger + momentum published with the global, GC, the lease
+    poll_interval: float = 1.0
+    max_file_bytes: int = 2**34
+    collaborators: tuple[str, ...] = ()  # the nodes whose deltas count (and the master's own); (): every node
     min_deltas_per_round: int = 0
     staleness_weighting: bool = False
     delayed_nesterov_period: int = 0  # 0: Nesterov SGD every step
     publish_state: bool = True
     keep_deltas: int = 0  # processed deltas kept per node (0: keep all)
     lease_seconds: float = 0.0  # 0: no lease
+
+    @classmethod
+    def of(cls, s: Settings, max_file_bytes: int) -> OuterConfig:
+        return cls(
+            s.node_id,
+            s.outer_lr,
+            s.outer_momentum,
+            s.poll_interval,
+            max_file_bytes,
+            tuple(s.collaborators),
+            s.min_deltas_per_round,
+            s.staleness_weighting,
+            s.delayed_nesterov_period if s.delayed_nesterov else 0,
+            s.publish_master_state,
+            s.keep_deltas,
+            s.lease_seconds,
+        )
+
+
+@dataclass(eq=False)
+class OuterLoop:
+    """Steps 1-10 of the outer loop over a `Transport`; `start()` runs them in a daemon thread. Never
+    started, the loop is the caller's to drive (a lock-step simulation): each `run_once()` is one round,
+    and `stop()` has no thread to stop (it runs no last round). Its parts: the `Intake` (intake.py: what
+    nodes/ holds, validated), the running sum (aggregation.py), the `Publisher` (publication.py: steps 7-8,
+    the lease, fencing)."""
+
+    transport: Transport
+    state: MasterState
+    config: OuterConfig
+    _: KW_ONLY
+    state_dir: Path | None = None
+    on_snapshot: Callable[[GlobalSnapshot], None] = lambda snapshot: None
+    hf_config: dict | None = None
     wall_clock: Callable[[], float] = time.time
     init_sha256: str | None = None  # the master's initial weights, published for workers to compare
     instance: str = field(default_factory=lambda: uuid.uuid4().hex)  # this process, in the lease (fencing)
@@ -89,27 +114,58 @@ class OuterLoop:
     published_sha256: str = ""
 
     def __post_init__(self):
-        allowed = frozenset(self.collaborators) | {self.node_id} if self.collaborators else None
+        c = self.config
+        allowed = frozenset(c.collaborators) | {c.node_id} if c.collaborators else None
         self.intake = Intake(
-            self.transport, delta_layout(self.state.published(share=True)), self.max_file_bytes, allowed
+            self.transport, delta_layout(self.state.published(share=True)), c.max_file_bytes, allowed
         )
         self._pending: dict[tuple[str, int, str], Candidate] = {}  # waiting for the quorum; summed in _sum
         self._sum, self._round_nodes = RunningSum(), None  # step 5 as the deltas arrive: their weighted sum
         self._processed_paths: dict[str, tuple[str, int]] = {}  # path -> (node, step): processed, in the repo
-        self.cadence = Cadence(self.lease_seconds)  # when the lease and the ledger are due between rounds
-        self.fenced = ""  # non-empty: another master holds the lease; this one no longer publishes
-        self.dead = ""  # non-empty: a refused token (PermanentError): the loop stopped; the node fails
         self.lock = threading.Lock()  # guards `state` against checkpointing from the training thread
-        self._unpublished = False  # the last round's publication failed: retry before the next round
-        self._hf_config_written = False
+        outer = {"outer_lr": c.outer_lr, "outer_momentum": c.outer_momentum, "init_sha256": self.init_sha256}
+        self.publication = Publisher(
+            self.transport,
+            self.state,
+            self.lock,
+            node_id=c.node_id,
+            outer=outer,
+            publish_state=c.publish_state,
+            hf_config=self.hf_config,
+            keep_deltas=c.keep_deltas,
+            lease_seconds=c.lease_seconds,
+            wall_clock=self.wall_clock,
+            instance=self.instance,
+            published_step=self.published_step,
+            published_sha256=self.published_sha256,
+        )
+        self._dead = ""  # non-empty: a refused token (PermanentError): the loop stopped; the node fails
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._drain_timeout, self._draining = 0.0, False
         self.unfinished: dict[str, str] = {}  # while draining: node -> why its final delta is not processed
         # metrics (read by the training thread)
-        self.rounds = self.deltas_accepted = self.deltas_rejected = self.last_num_peers = self.errors = 0
-        self.bytes_uploaded = 0
+        self.rounds = self.deltas_accepted = self.deltas_rejected = self.last_num_peers = self._errors = 0
         self.last_pseudo_grad_norm, self.last_staleness = 0.0, []  # the last round's; staleness per delta
+
+    @property
+    def dead(self) -> str:
+        """Non-empty once a write or a read was refused for good (PermanentError): the loop stopped."""
+        return self._dead or self.publication.dead
+
+    @property
+    def fenced(self) -> str:
+        """Non-empty once another process holds the lease: this master no longer publishes."""
+        return self.publication.fenced
+
+    @property
+    def errors(self) -> int:
+        """Failed rounds, publications and state saves."""
+        return self._errors + self.publication.errors
+
+    @property
+    def bytes_uploaded(self) -> int:
+        return self.publication.bytes_uploaded
 
     # ---- one poll: the ten steps
 
@@ -117,16 +173,10 @@ class OuterLoop:
         """One poll. With `min_deltas_per_round` N > 0 valid deltas wait (in the running sum, not in the
         ledger) until N are pending; `flush` (shutdown) applies the pending ones even below N."""
         start = time.perf_counter()
-        self.intake.transient = False
-        if self._unpublished:
+        if self.publication.unpublished:
             self.publish()
         revision = self.transport.revision()
-        listed = self.intake.list(revision)  # 1
-        live = {(f.path, getattr(f, "version", "")) for f in listed}
-        self.intake.headers = {k: c for k, c in self.intake.headers.items() if k in live}  # forget gone files
-        candidates = [
-            c for f in listed if (c := self.intake.candidate(f, revision)) is not None
-        ]  # 2 (headers)
+        candidates = self.intake.candidates(revision)  # 1 + 2 (headers)
         ledger = self.state.ledger
         self._processed_paths = {
             c.path: (c.node_id, c.local_step) for c in candidates if c.identity in ledger
@@ -144,13 +194,14 @@ class OuterLoop:
                 )
                 log.warning("master: rejected delta %s@%s: %s", node, step, reason)
         self._take_in_all(candidates, result, seen, revision)
-        self.intake.buffer = None  # the poll's file buffer: no model-sized bytes held between polls
+        self.intake.end_round()
         valid = self._take_round(flush, revision)
         with self.lock:
             for entry in result.rejected:
                 ledger.add(entry)
             self.deltas_rejected += len(result.rejected)
-            self.cadence.ledger_dirty |= bool(result.rejected)
+            if result.rejected:
+                self.publication.rejected()
             if valid:
                 self._outer_step(valid, result)
         self._processed_paths |= {c.path: (c.node_id, c.local_step) for c in valid}
@@ -161,7 +212,9 @@ class OuterLoop:
         if result.rejected and not valid:
             self.heartbeat()  # the rejections reach the published ledger (at most once a minute)
         if self._draining:
-            self.unfinished = self.intake.unfinished(listed_all, self.state.ledger, self.node_id, revision)
+            self.unfinished = self.intake.unfinished(
+                listed_all, self.state.ledger, self.config.node_id, revision
+            )
         if valid:
             self.on_snapshot(self.snapshot())  # 10
             result.seconds = time.perf_counter() - start
@@ -205,8 +258,10 @@ class OuterLoop:
             staleness = self._staleness(c.meta.base_outer_step)
             result.applied.append(c.entry("applied", self.state.outer_step + 1, staleness=staleness))
             self.state.ledger.add(result.applied[-1])
-        period = max(1, self.delayed_nesterov_period)  # counted in deltas (arXiv 2401.09135)
-        self.state.apply_outer_step(mean, self.outer_lr, self.outer_momentum, period, len(valid))  # 6
+        period = max(1, self.config.delayed_nesterov_period)  # counted in deltas (arXiv 2401.09135)
+        self.state.apply_outer_step(
+            mean, self.config.outer_lr, self.config.outer_momentum, period, len(valid)
+        )  # 6
         self.state.outer_step += 1
         result.outer_step = self.state.outer_step
         self.deltas_accepted += len(valid)
@@ -222,7 +277,7 @@ class OuterLoop:
         if tensors is None or isinstance(tensors, str):
             return tensors
         weight = 1.0
-        if self.staleness_weighting:
+        if self.config.staleness_weighting:
             weight = 1.0 / (1 + max(0, self._staleness(c.meta.base_outer_step if c.meta else -1)))
         try:
             self._sum.add(tensors, weight)
@@ -240,14 +295,17 @@ class OuterLoop:
         """The deltas of this round: every pending one once deltas of `min_deltas_per_round` distinct nodes
         are pending (one fast node's two deltas do not make a quorum of two; a node that finished counts, as
         it will send no more: its marker is read only for a quorum over 1), or on `flush`; else none."""
-        quorum, senders = max(1, self.min_deltas_per_round), {c.node_id for c in self._pending.values()}
+        quorum, senders = (
+            max(1, self.config.min_deltas_per_round),
+            {c.node_id for c in self._pending.values()},
+        )
         nodes = len(senders) + (len(self.intake.finished(revision) - senders) if quorum > 1 else 0)
         if not self._pending or (nodes < quorum and not flush):
             if self._pending:
                 log.info(f"master: {self.pending} delta(s) of {nodes} node(s) pending, waiting for {quorum}")
             return []
         expected = quorum - nodes + len(senders)  # a flush below the quorum: the nodes still expected
-        self._round_nodes = max(len(senders), expected) if self.min_deltas_per_round else None
+        self._round_nodes = max(len(senders), expected) if self.config.min_deltas_per_round else None
         valid = list(self._pending.values())
         self._pending.clear()
         return valid
@@ -269,103 +327,15 @@ class OuterLoop:
     # ---- publication, state, notification
 
     def publish(self, applied: Iterable[LedgerEntry] = ()) -> bool:
-        """Steps 7 and 8 in one write: the full global weights and global/step_count.json; past the spec,
-        in the same write, the ledger and outer momentum (`publish_state`), the lease, and the deletion
-        of processed deltas beyond `keep_deltas` per node (garbage collection)."""
-        if self._fenced_before_write():
-            log.error("master: not publishing: %s", self.fenced)
-            return False
-        outer = {
-            "outer_lr": self.outer_lr,
-            "outer_momentum": self.outer_momentum,
-            "init_sha256": self.init_sha256,
-        }
-        hf_config = None if self._hf_config_written else self.hf_config
-        with self.lock:
-            files, common = global_files(
-                self.state, self.node_id, outer, applied, self.publish_state, hf_config
-            )
-        outer_step = common["outer_step"]
-        if self.lease_seconds > 0:
-            files[LEASE_PATH] = self.lease_blob()
-        delete = garbage(self._processed_paths, self.keep_deltas)
-        message = f"{self.node_id}: global outer step {outer_step}"
-        try:
-            try:
-                self.transport.write(files, delete, message=message)
-            except TransportError:
-                if not delete:
-                    raise
-                # a delta to collect may be gone already (another master, a user): publish without GC
-                delete = []
-                self.transport.write(files, message=message)
-        except TransportError as err:
-            self._unpublished, self.dead = True, self.dead or why_permanent(err)
-            self.errors += 1
-            log.error(f"master: publishing outer step {outer_step} failed ({err}); retrying at the next poll")
-            return False
-        self._unpublished = False
-        self.published_step, self.published_sha256 = outer_step, common["global_sha256"]
-        self.cadence.wrote(files)
-        for path in delete:
+        """Steps 7 and 8 (the `Publisher`); the processed deltas it garbage-collected are forgotten."""
+        deleted = self.publication.publish(applied, self._processed_paths)
+        for path in deleted or ():
             self._processed_paths.pop(path, None)
-        if delete:
-            log.info(
-                f"master: garbage-collected {len(delete)} processed delta(s), keep_deltas={self.keep_deltas}"
-            )
-        self._hf_config_written = self._hf_config_written or HF_CONFIG_PATH in files
-        self.bytes_uploaded += sum(len(b) for b in files.values())
-        return True
-
-    # ---- the single-master lease (past the spec; recovery.py reads it) and the small writes between rounds
-
-    def lease_blob(self, released: bool = False) -> bytes:
-        now, step = self.wall_clock(), self.state.outer_step
-        return lease_blob(self.node_id, self.instance, now, self.lease_seconds, step, released)
-
-    def _fenced_before_write(self) -> bool:
-        """Fencing: before every write, the lease must still name this process (its instance token), else
-        another master took over (even one with this node id) and this one stops publishing for good. A
-        transport error while reading it: not fenced (the write itself will fail or go through)."""
-        if self.lease_seconds <= 0 or self.fenced:
-            return bool(self.fenced)
-        with contextlib.suppress(TransportError):
-            lease = read_lease(self.transport)
-            if lease is not None and lease.get("instance") != self.instance:
-                age = self.wall_clock() - float(lease.get("heartbeat") or 0)
-                self.fenced = (
-                    f"master {lease.get('master')!r} (another process) holds the lease of this repository "
-                    f"(heartbeat {age:.0f}s ago); this master stops publishing"
-                )
-                log.error("master %s: %s", self.node_id, self.fenced)
-        return bool(self.fenced)
+        return deleted is not None
 
     def heartbeat(self, final: bool = False) -> None:
-        """One small write between publications: the lease when no publication renewed it for
-        lease_seconds/3, and the ledger when rejections since the last publication are waiting: with a
-        lease, in that same write (no commit of its own: docs/dumb_diloco.md "Hub budget"), without one at
-        most once per LEDGER_EVERY_S. `final`: both, always, with the ledger marked final and the lease
-        released. Nothing once fenced."""
-        files = {}
-        if self.cadence.lease_due(final):
-            files[LEASE_PATH] = self.lease_blob(released=final)
-        current = not self._unpublished and self.published_step == self.state.outer_step
-        due = self.cadence.ledger_due(final, with_lease=LEASE_PATH in files)
-        if self.publish_state and current and self.published_sha256 and due:
-            with self.lock:
-                rows = self.state.ledger.to_json()
-            common = {"outer_step": self.published_step, "created_at": utc_now(), "master": self.node_id}
-            common["global_sha256"] = self.published_sha256
-            files[GLOBAL_LEDGER_PATH] = ledger_blob(common | {"final": final}, rows)
-        if not files or self._fenced_before_write():
-            return
-        what = "the final ledger and lease" if final else " and ".join(p.split("/")[-1] for p in files)
-        try:
-            self.transport.write(files, message=f"{self.node_id}: {what}")
-            self.cadence.wrote(files)
-        except TransportError as err:
-            self.dead = self.dead or why_permanent(err)
-            log.warning("master: writing %s failed (%s); will retry", what, err)
+        """The lease and the ledger between publications, when due (the `Publisher`)."""
+        self.publication.heartbeat(final)
 
     def save_state(self) -> None:
         if self.state_dir is None:
@@ -374,8 +344,19 @@ class OuterLoop:
             try:
                 self.state.save(self.state_dir)
             except OSError as err:
-                self.errors += 1
+                self._errors += 1
                 log.error("master: cannot save the master state to %s: %s", self.state_dir, err)
+
+    def adopt_existing(self) -> int:
+        """Every delta now in the repository into the ledger as "preexisting" (a master adopting a
+        repository without its own state cannot know which were applied; re-applying them would be
+        worse); returns how many."""
+        revision = self.transport.revision()
+        found = [c for c in self.intake.candidates(revision) if c.identity not in self.state.ledger]
+        with self.lock:
+            for c in found:
+                self.state.ledger.add(c.entry("preexisting", self.state.outer_step))
+        return len(found)
 
     def ledger_entry(self, identity: tuple[str, int, str]) -> LedgerEntry | None:
         """What the ledger holds for a delta (node, local step, sha256), under the lock."""
@@ -408,7 +389,7 @@ class OuterLoop:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_interval) and not self.dead:
+        while not self._stop.wait(self.config.poll_interval) and not self.dead:
             self._round()
         # stop() was called: rounds until every node's final delta is processed, or drain_timeout passed
         # (a round that a transport error cut short is tried again, up to 20 polls, even past the deadline)
@@ -422,11 +403,13 @@ class OuterLoop:
             if self.unfinished and time.monotonic() - announced > 30:
                 announced, left = time.monotonic(), self.describe_left()
                 log.info(f"master: waiting up to {remaining:.0f}s for the final deltas of: {left}")
-            time.sleep(self.poll_interval if remaining <= 0 else min(self.poll_interval, remaining))
+            time.sleep(
+                self.config.poll_interval if remaining <= 0 else min(self.config.poll_interval, remaining)
+            )
         for _ in range(20 if self._pending else 0):  # below the quorum at the end: apply, do not lose them
             if self._round(flush=True) or self.fenced or self.dead:
                 break
-            time.sleep(self.poll_interval)
+            time.sleep(self.config.poll_interval)
         if self.unfinished:
             log.warning(
                 f"master: stopped after drain_timeout {self._drain_timeout:g}s without the final deltas of: "
@@ -445,13 +428,13 @@ class OuterLoop:
             self.heartbeat()
             self.run_once(flush)
         except Exception as err:  # never let the outer loop die (but for a refused token): log, count, retry
-            self.errors += 1
-            self.dead = self.dead or why_permanent(err)
+            self._errors += 1
+            self._dead = self._dead or why_permanent(err)
             log.exception(
-                f"master: outer round failed ({type(err).__name__}); retrying in {self.poll_interval}s"
+                f"master: outer round failed ({type(err).__name__}); retrying in {self.config.poll_interval}s"
             )
             return False
-        return not self.intake.transient and not self._unpublished
+        return not self.intake.transient and not self.publication.unpublished
 
     @property
     def running(self) -> bool:

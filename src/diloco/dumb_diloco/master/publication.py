@@ -1,6 +1,8 @@
 """What a DumbDiLoCo master writes: the files of one publication (steps 7 and 8, one transport write:
 global/latest.safetensors and global/step_count.json; past the spec the ledger, the outer momentum and the
-model's transformers config beside them), the ledger on its own, and the single-master lease.
+model's transformers config beside them), the ledger on its own, and the single-master lease; the
+`Publisher` that writes them, fences itself off when another process holds the lease, and knows what the
+repository holds from this master.
 
 Invariants: every file of a publication names the same outer step and global SHA-256; the lease names the
 process (its instance token), not only the node id. Formats: docs/dumb_diloco.md ("Repository layout").
@@ -8,13 +10,19 @@ process (its instance token), not only the node id. Formats: docs/dumb_diloco.md
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
+from ..store.base import why_permanent
 from ..store.budget import LEDGER_EVERY_S
+from ..store.transport import Transport, TransportError
 from ..wire.repo_paths import (
     GLOBAL_LEDGER_PATH,
     GLOBAL_MOMENTUM_PATH,
@@ -24,7 +32,9 @@ from ..wire.repo_paths import (
     utc_now,
 )
 from ..wire.tensor_format import encode, parse_header
-from .recovery import LedgerEntry, MasterState
+from .recovery import LedgerEntry, MasterState, read_lease
+
+log = logging.getLogger("diloco.dumb_diloco")
 
 HF_CONFIG_PATH = "config.json"
 HF_INDEX_PATH = "model.safetensors.index.json"
@@ -131,3 +141,140 @@ class Cadence:
             self.last_lease = self.clock()
         if GLOBAL_LEDGER_PATH in files:
             self.ledger_dirty, self.last_ledger = False, self.clock()
+
+
+@dataclass(eq=False)
+class Publisher:
+    """The master's writes to the repository and what it knows of them: steps 7 and 8 (`publish`), the small
+    writes between publications (`heartbeat`), the single-master lease and fencing. It owns what the
+    repository holds from this master (`published_step`, `published_sha256`), whether the last publication
+    failed (`unpublished`, retried before the next round), `fenced` (another process holds the lease) and
+    `dead` (a refused token). It reads `state` under `lock`, the outer loop's lock."""
+
+    transport: Transport
+    state: MasterState
+    lock: threading.Lock
+    _: KW_ONLY
+    node_id: str
+    outer: dict  # outer_lr, outer_momentum and init_sha256, for step_count.json
+    publish_state: bool = True  # the ledger and outer momentum beside the global
+    hf_config: dict | None = None  # the model's transformers config, written with the first publication
+    keep_deltas: int = 0  # processed deltas kept per node (0: keep all)
+    lease_seconds: float = 0.0  # 0: no lease
+    wall_clock: Callable[[], float] = time.time
+    instance: str = field(default_factory=lambda: uuid.uuid4().hex)  # this process, in the lease
+    published_step: int = -1  # the global in the repository, as this master published or found it
+    published_sha256: str = ""
+
+    def __post_init__(self):
+        self.cadence = Cadence(self.lease_seconds)  # when the lease and the ledger are due between rounds
+        self.unpublished = False  # the last publication failed: the outer loop retries it
+        self.fenced = ""  # non-empty: another master holds the lease; this one no longer publishes
+        self.dead = ""  # non-empty: a write was refused for good (PermanentError)
+        self.errors = 0  # failed publications
+        self.bytes_uploaded = 0
+        self._hf_config_written = False
+
+    def publish(
+        self, applied: Iterable[LedgerEntry], processed: dict[str, tuple[str, int]]
+    ) -> list[str] | None:
+        """Steps 7 and 8 in one write: the full global weights and global/step_count.json; past the spec,
+        in the same write, the ledger and outer momentum (`publish_state`), the lease, and the deletion of
+        `processed` deltas (path -> node, local step) beyond `keep_deltas` per node. Returns the deleted
+        paths, or None when nothing was written (fenced, or the write failed: `unpublished`)."""
+        if self._fenced_before_write():
+            log.error("master: not publishing: %s", self.fenced)
+            return None
+        hf_config = None if self._hf_config_written else self.hf_config
+        with self.lock:
+            files, common = global_files(
+                self.state, self.node_id, self.outer, applied, self.publish_state, hf_config
+            )
+        if self.lease_seconds > 0:
+            files[LEASE_PATH] = self.lease_blob()
+        delete = self._write_global(files, garbage(processed, self.keep_deltas), common["outer_step"])
+        if delete is None:
+            return None
+        self.published_step, self.published_sha256 = common["outer_step"], common["global_sha256"]
+        self.cadence.wrote(files)
+        self._hf_config_written = self._hf_config_written or HF_CONFIG_PATH in files
+        self.bytes_uploaded += sum(len(b) for b in files.values())
+        if delete:
+            log.info(
+                f"master: garbage-collected {len(delete)} processed delta(s), keep_deltas={self.keep_deltas}"
+            )
+        return delete
+
+    def _write_global(self, files: dict[str, bytes], delete: list[str], outer_step: int) -> list[str] | None:
+        """One publication's write (without garbage collection if a delta to collect is gone already:
+        another master, a user); the paths deleted, or None when it failed."""
+        message = f"{self.node_id}: global outer step {outer_step}"
+        try:
+            try:
+                self.transport.write(files, delete, message=message)
+            except TransportError:
+                if not delete:
+                    raise
+                delete = []
+                self.transport.write(files, message=message)
+        except TransportError as err:
+            self.unpublished, self.dead = True, self.dead or why_permanent(err)
+            self.errors += 1
+            log.error(f"master: publishing outer step {outer_step} failed ({err}); retrying at the next poll")
+            return None
+        self.unpublished = False
+        return delete
+
+    def rejected(self) -> None:
+        """Rejections the published ledger does not hold yet: the next heartbeat writes it."""
+        self.cadence.ledger_dirty = True
+
+    # ---- the single-master lease (past the spec; recovery.py reads it) and the small writes between rounds
+
+    def lease_blob(self, released: bool = False) -> bytes:
+        now, step = self.wall_clock(), self.state.outer_step
+        return lease_blob(self.node_id, self.instance, now, self.lease_seconds, step, released)
+
+    def _fenced_before_write(self) -> bool:
+        """Fencing: before every write, the lease must still name this process (its instance token), else
+        another master took over (even one with this node id) and this one stops publishing for good. A
+        transport error while reading it: not fenced (the write itself will fail or go through)."""
+        if self.lease_seconds <= 0 or self.fenced:
+            return bool(self.fenced)
+        with contextlib.suppress(TransportError):
+            lease = read_lease(self.transport)
+            if lease is not None and lease.get("instance") != self.instance:
+                age = self.wall_clock() - float(lease.get("heartbeat") or 0)
+                self.fenced = (
+                    f"master {lease.get('master')!r} (another process) holds the lease of this repository "
+                    f"(heartbeat {age:.0f}s ago); this master stops publishing"
+                )
+                log.error("master %s: %s", self.node_id, self.fenced)
+        return bool(self.fenced)
+
+    def heartbeat(self, final: bool = False) -> None:
+        """One small write between publications: the lease when no publication renewed it for
+        lease_seconds/3, and the ledger when rejections since the last publication are waiting: with a
+        lease, in that same write (no commit of its own: docs/dumb_diloco.md "Hub budget"), without one at
+        most once per LEDGER_EVERY_S. `final`: both, always, with the ledger marked final and the lease
+        released. Nothing once fenced."""
+        files = {}
+        if self.cadence.lease_due(final):
+            files[LEASE_PATH] = self.lease_blob(released=final)
+        current = not self.unpublished and self.published_step == self.state.outer_step
+        due = self.cadence.ledger_due(final, with_lease=LEASE_PATH in files)
+        if self.publish_state and current and self.published_sha256 and due:
+            with self.lock:
+                rows = self.state.ledger.to_json()
+            common = {"outer_step": self.published_step, "created_at": utc_now(), "master": self.node_id}
+            common["global_sha256"] = self.published_sha256
+            files[GLOBAL_LEDGER_PATH] = ledger_blob(common | {"final": final}, rows)
+        if not files or self._fenced_before_write():
+            return
+        what = "the final ledger and lease" if final else " and ".join(p.split("/")[-1] for p in files)
+        try:
+            self.transport.write(files, message=f"{self.node_id}: {what}")
+            self.cadence.wrote(files)
+        except TransportError as err:
+            self.dead = self.dead or why_permanent(err)
+            log.warning("master: writing %s failed (%s); will retry", what, err)

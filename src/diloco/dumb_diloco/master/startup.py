@@ -22,7 +22,7 @@ from ..store.transport import RevisionConflict, Transport, TransportError, write
 from ..wire.global_state import GlobalSnapshot
 from ..wire.repo_paths import LEASE_PATH
 from ..wire.tensor_format import GlobalMismatch, InvalidTensorFile
-from .loop import OuterLoop
+from .loop import OuterConfig, OuterLoop
 from .publication import lease_blob
 from .recovery import MasterState, lease_holder, load_published_state, read_lease, recover
 
@@ -101,21 +101,10 @@ def recover_outer_loop(
     outer = OuterLoop(
         joiner.transport,
         state,
-        node_id=s.node_id,
-        collaborators=s.collaborators,
-        outer_lr=s.outer_lr,
-        outer_momentum=s.outer_momentum,
-        poll_interval=s.poll_interval,
+        OuterConfig.of(s, max_file_bytes),
         state_dir=state_dir,
-        max_file_bytes=max_file_bytes,
         on_snapshot=on_snapshot,
         hf_config=hf_config,
-        min_deltas_per_round=s.min_deltas_per_round,
-        staleness_weighting=s.staleness_weighting,
-        delayed_nesterov_period=s.delayed_nesterov_period if s.delayed_nesterov else 0,
-        publish_state=s.publish_master_state,
-        keep_deltas=s.keep_deltas,
-        lease_seconds=s.lease_seconds,
         init_sha256=init_sha256,
         instance=instance,
         published_step=-1 if repo is None else repo.outer_step,
@@ -128,7 +117,7 @@ def open_outer_loop(outer: OuterLoop, settings: Settings, publish: bool, adopted
     """A recovered outer loop's first writes: an adopted repository's deltas marked as processed, the
     state published if the repository is behind it, and saved locally."""
     if adopted:
-        n = mark_existing_as_processed(outer)
+        n = outer.adopt_existing()
         log.warning(
             "master: no local master state; adopted global outer step %d from %s and treat its %d "
             "existing delta(s) as already processed",
@@ -140,19 +129,6 @@ def open_outer_loop(outer: OuterLoop, settings: Settings, publish: bool, adopted
         outer.publish()
         log.info("master: published global outer step %d to %s", outer.state.outer_step, settings.repo_id)
     outer.save_state()
-
-
-def mark_existing_as_processed(outer: OuterLoop) -> int:
-    """Put every delta now in the repository into the ledger as "preexisting" (a master adopting a
-    repository without its own state cannot know which were applied; re-applying them would be worse)."""
-    revision = outer.transport.revision()
-    n = 0
-    for f in outer.intake.list(revision):
-        c = outer.intake.candidate(f, revision)
-        if c is not None and c.identity not in outer.state.ledger:
-            outer.state.ledger.add(c.entry("preexisting", outer.state.outer_step))
-            n += 1
-    return n
 
 
 def take_lease(settings: Settings, transport: Transport, state_dir: Path) -> tuple[str, IO]:
