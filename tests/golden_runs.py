@@ -36,6 +36,7 @@ COMMON = [
     "model=micro",
     "data=sample",
     "data.seq_len=64",
+    "data.shuffle_seed=null",  # the files' own order, as recorded (the seeded order came later, issue 55)
     "train.batch_size=4",
     "train.micro_batch_size=2",
     "train.log_every=1",

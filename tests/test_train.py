@@ -31,14 +31,21 @@ def test_same_seed_same_metrics_and_weights(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     c = train(tmp_path, "train.max_steps=6", "seed=7", name="c")
     assert read_metrics(c)[0]["Loss"] != read_metrics(a)[0]["Loss"]
+    # the seed orders the data too: the same initial weights on another order see another first batch
+    d = train(tmp_path, "train.max_steps=1", "data.shuffle_seed=7", name="d")
+    assert read_metrics(d)[0]["Loss"] != read_metrics(a)[0]["Loss"]
 
 
-@pytest.mark.parametrize("packing", ["false", "true"])
-def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tmp_path, packing):
-    full = train(tmp_path, "train.max_steps=10", f"data.packing={packing}", name="full")
+@pytest.mark.parametrize(
+    ("packing", "shuffle_seed"), [("false", "${seed}"), ("true", "${seed}"), ("true", "7"), ("true", "null")]
+)
+def test_resumed_run_equals_uninterrupted_run_bit_for_bit(tmp_path, packing, shuffle_seed):
+    """Each data order (the run's seed, another one, the files' own) resumes exactly."""
+    data = [f"data.packing={packing}", f"data.shuffle_seed={shuffle_seed}", "data.shuffle_buffer=64"]
+    full = train(tmp_path, "train.max_steps=10", *data, name="full")
     # the same run, stopped after step 4 (it checkpoints at its end) and restarted with max_steps=10
-    part = train(tmp_path, "train.max_steps=4", f"data.packing={packing}", name="part")
-    train(tmp_path, "train.max_steps=10", f"data.packing={packing}", name="part")
+    part = train(tmp_path, "train.max_steps=4", *data, name="part")
+    train(tmp_path, "train.max_steps=10", *data, name="part")
     w_full, w_part = final_weights(full), final_weights(part)
     assert all(torch.equal(w_full[k], w_part[k]) for k in w_full)
 

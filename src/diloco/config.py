@@ -551,6 +551,7 @@ def _check_data(data: schema.DataConfig) -> None:
         raise ConfigError("data.shard and data.num_shards must be set together (or both null)")
     if shard is not None and not (num >= 1 and 0 <= shard < num):
         raise ConfigError(f"data.shard={shard} must be in [0, data.num_shards={num})")
+    _number("data.shuffle_buffer", data.shuffle_buffer, 0, strict=False, integer=True)
 
 
 def _check_model(model: schema.ModelConfig) -> None:

@@ -15,8 +15,15 @@ document to shard `sha256(key) % n`, with key the URL's host (`domain`, for C4) 
 fragment (`page`, for the sample, whose URLs name their source work), so each shard sees a disjoint
 set of sites/works. Shards never overlap; the train and eval splits are disjoint files.
 
-The iterator's position (dataset state, epoch, packing leftovers) is returned with every batch, so a
-checkpoint stores exactly where the next batch starts.
+Order (the training stream only; evaluation reads its split in file order): with `data.shuffle_seed`
+(default: the run's `seed`) the shard's files are read in a seeded order that changes every epoch
+(`datasets`' own `IterableDataset.shuffle`, `set_epoch`), and documents pass through a seeded rolling
+buffer of `data.shuffle_buffer` documents (DocumentShuffle). Which documents make up a shard never
+depends on the seed: files are shuffled only within a shard of whole files; a shard of every n-th
+document keeps the file order and shuffles through the buffer alone.
+
+The iterator's position (dataset state, epoch, packing leftovers, the shuffle buffer) is returned with
+every batch, so a checkpoint stores exactly where the next batch starts.
 
 Reading from the Hub: huggingface_hub retries each HTTP request (dropped connections, 429 with
 Retry-After, 5xx; 5 times with backoff). A read that still fails reopens the stream at the position
@@ -53,7 +60,7 @@ if TYPE_CHECKING:
     from diloco.schema import DataConfig
 
 IGNORE_INDEX = -100
-STREAM_REOPENS = 10  # reopens of a stream whose read failed past the client's own retries, per batch
+STREAM_REOPENS = 10  # reopens of a stream whose read failed past the client's own retries, per document
 
 log = logging.getLogger(__name__)
 
@@ -207,20 +214,47 @@ def noniid_shard_of(url: str, key: str, num_shards: int) -> int:
 
 
 def document_stream(
-    data_cfg: DataConfig, split: str, shard: int = 0, num_shards: int = 1, part: tuple[int, int] = (0, 1)
+    data_cfg: DataConfig,
+    split: str,
+    shard: int = 0,
+    num_shards: int = 1,
+    part: tuple[int, int] = (0, 1),
+    file_seed: int | None = None,
 ):
     """A `datasets.IterableDataset` of this shard's documents (dicts with `text` and `url`); with `part`
-    (r, G), the r-th of G disjoint parts of the shard (a DumbDiLoCo node's shard split among its ranks)."""
+    (r, G), the r-th of G disjoint parts of the shard (a DumbDiLoCo node's shard split among its ranks).
+    With `file_seed`, the shard's files in that seeded order (`set_epoch` reorders them), where the
+    shard is made of whole files; the parts of a shard share the seed (one run's ranks)."""
     from datasets.distributed import split_dataset_by_node
 
     rank, parts = part
     if parts > 1 and num_shards > 1 and data_cfg.sharding == "iid":
-        return _part_of_iid_shard(data_cfg, split, shard, num_shards, rank, parts)
-    ds = _shard_documents(data_cfg, split, shard, num_shards)
-    return split_dataset_by_node(ds, rank=rank, world_size=parts) if parts > 1 else ds
+        ds, whole_files = _part_of_iid_shard(data_cfg, split, shard, num_shards, rank, parts, file_seed)
+    else:
+        ds, whole_files = _shard_documents(data_cfg, split, shard, num_shards)
+        if file_seed is not None and whole_files:
+            ds = shuffle_files(ds, file_seed)
+        if parts > 1:
+            ds = split_dataset_by_node(ds, rank=rank, world_size=parts)
+    return ds
 
 
-def _part_of_iid_shard(data_cfg: DataConfig, split: str, shard: int, num_shards: int, rank: int, parts: int):
+def shuffle_files(ds, seed: int):
+    """The dataset's files in a seeded order: `datasets`' shuffle with a buffer of one document, which
+    holds nothing between reads, so its state_dict is the exact position (its own buffer is not saved in
+    the state_dict; DocumentShuffle is the document-level shuffle)."""
+    return ds.shuffle(seed=seed, buffer_size=1)
+
+
+def _part_of_iid_shard(
+    data_cfg: DataConfig,
+    split: str,
+    shard: int,
+    num_shards: int,
+    rank: int,
+    parts: int,
+    file_seed: int | None,
+):
     """Part `rank` of `parts` of i.i.d. shard `shard`: the shard's own documents, split again.
     split_dataset_by_node of a dataset it split already splits the whole split once more (part
     shard*parts+rank of num_shards*parts; `datasets` applies the split when iterating, after any
@@ -231,14 +265,18 @@ def _part_of_iid_shard(data_cfg: DataConfig, split: str, shard: int, num_shards:
 
     if not 0 <= shard < num_shards:
         raise DataError(f"data shard {shard} is outside [0, {num_shards})")
-    whole = _shard_documents(data_cfg, split, 0, 1)
+    whole, _ = _shard_documents(data_cfg, split, 0, 1)
     if whole.num_shards % num_shards == 0:  # file-wise: files shard, shard+num_shards, ...
         files = whole.shard(num_shards=num_shards, index=shard, contiguous=False)
-        return split_dataset_by_node(files, rank=rank, world_size=parts)
-    return split_dataset_by_node(whole, rank=shard + num_shards * rank, world_size=num_shards * parts)
+        if file_seed is not None:
+            files = shuffle_files(files, file_seed)
+        return split_dataset_by_node(files, rank=rank, world_size=parts), True
+    return split_dataset_by_node(whole, rank=shard + num_shards * rank, world_size=num_shards * parts), False
 
 
 def _shard_documents(data_cfg: DataConfig, split: str, shard: int, num_shards: int):
+    """(the shard's documents, whether the shard is whole files of its own: a seeded file order then
+    cannot move documents between shards)."""
     from datasets import load_dataset
     from datasets.distributed import split_dataset_by_node
 
@@ -255,12 +293,15 @@ def _shard_documents(data_cfg: DataConfig, split: str, shard: int, num_shards: i
     if split == data_cfg.eval_split and (subset := data_cfg.eval_subset) != "all":
         ds = ds.filter(lambda _, i: i % 2 == (subset == "tune"), with_indices=True)  # disjoint halves
     if num_shards == 1:
-        return ds
+        return ds, True
     if data_cfg.sharding == "iid":
-        return split_dataset_by_node(ds, rank=shard, world_size=num_shards)
+        if ds.num_shards % num_shards == 0:  # whole files: shard, shard + num_shards, ... (as
+            # split_dataset_by_node picks them, but now, so a file order set later stays inside the shard)
+            return ds.shard(num_shards=num_shards, index=shard, contiguous=False), True
+        return split_dataset_by_node(ds, rank=shard, world_size=num_shards), False  # every n-th document
     if data_cfg.sharding == "noniid":
         key = data_cfg.noniid_key
-        return ds.filter(lambda ex: noniid_shard_of(ex.get("url", ""), key, num_shards) == shard)
+        return ds.filter(lambda ex: noniid_shard_of(ex.get("url", ""), key, num_shards) == shard), True
     raise DataError(f"data.sharding must be 'iid' or 'noniid', got {data_cfg.sharding!r}")
 
 
@@ -315,8 +356,58 @@ class Batch:
         return int((self.labels != IGNORE_INDEX).sum())
 
 
+class DocumentShuffle:
+    """A seeded rolling shuffle of documents, `datasets`' algorithm (fill the buffer to `size`, permute it,
+    hand out all but size // 2, keep those for the next fill), with the buffer and the fill count in the
+    stream's position. Kept here rather than `IterableDataset.shuffle`'s buffer because that buffer is
+    not in the library's state_dict: it is refilled on resume, so a resumed run would read other
+    documents. The permutation of fill k of epoch e comes from a generator seeded with (seed, shard,
+    part, e, k), so the order depends on nothing but the seed and the position."""
+
+    def __init__(self, size: int, key: tuple[int, ...]):
+        self.size, self.key = size, key
+        self.kept: list[str] = []  # documents waiting for the next permutation
+        self.ready: list[str] = []  # permuted documents to hand out, the next one last
+        self.fills = 0
+
+    def add(self, text: str, epoch: int) -> None:
+        self.kept.append(text)
+        if len(self.kept) >= self.size:
+            self._permute(epoch, keep=self.size // 2)
+
+    def flush(self, epoch: int) -> bool:
+        """At the end of a pass: every kept document becomes ready. False if there were none."""
+        if not self.kept:
+            return False
+        self._permute(epoch, keep=0)
+        return True
+
+    def _permute(self, epoch: int, keep: int) -> None:
+        import numpy as np
+
+        order = np.random.default_rng([*self.key, epoch, self.fills]).permutation(len(self.kept))
+        out = len(self.kept) - keep
+        self.ready = [self.kept[i] for i in reversed(order[:out])] + self.ready
+        self.kept = [self.kept[i] for i in order[out:]]
+        self.fills += 1
+
+    def next(self) -> str | None:
+        return self.ready.pop() if self.ready else None
+
+    def state_dict(self) -> dict:
+        return {"kept": list(self.kept), "ready": list(self.ready), "fills": self.fills}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.kept, self.ready, self.fills = list(state["kept"]), list(state["ready"]), int(state["fills"])
+
+    def clear(self) -> None:
+        self.kept, self.ready, self.fills = [], [], 0
+
+
 class SequenceStream:
-    """Endless, resumable stream of [B, seq_len] batches from one shard (epochs repeat the shard)."""
+    """Endless, resumable stream of [B, seq_len] batches from one shard (epochs repeat the shard).
+    `shuffle_seed`: the shard's files in a seeded order per epoch and its documents through a seeded
+    buffer of `data.shuffle_buffer` (the module docstring); None reads them in file order."""
 
     def __init__(
         self,
@@ -327,12 +418,17 @@ class SequenceStream:
         num_shards: int,
         wrap: bool = True,
         part: tuple[int, int] = (0, 1),
+        shuffle_seed: int | None = None,
     ):
         self.cfg, self.tok, self.split = data_cfg, tokenizer, split
         self.shard, self.num_shards = shard, num_shards
         self.seq_len = int(data_cfg.seq_len)
         self.packing = bool(data_cfg.packing)
-        self.ds = document_stream(data_cfg, split, shard, num_shards, part)
+        self.shuffle_seed = shuffle_seed
+        self.ds = document_stream(data_cfg, split, shard, num_shards, part, file_seed=shuffle_seed)
+        size = int(data_cfg.shuffle_buffer) if shuffle_seed is not None else 0
+        key = (int(shuffle_seed or 0), shard, num_shards, *part)
+        self.shuffle = DocumentShuffle(size, key) if size > 1 else None
         self.wrap = wrap  # False: stop after one pass (evaluation)
         self.epoch = 0
         self._buffer: list[int] = []  # packing leftovers
@@ -347,29 +443,87 @@ class SequenceStream:
 
     # -- position ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "dataset": copy.deepcopy(self._doc_state), "buffer": list(self._buffer)}
+        state = {"epoch": self.epoch, "dataset": copy.deepcopy(self._doc_state), "buffer": list(self._buffer)}
+        state["shuffle_seed"] = self.shuffle_seed
+        if self.shuffle is not None:
+            state["shuffle"] = self.shuffle.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        seed = state.get("shuffle_seed")  # absent in checkpoints from before the shuffle: file order
+        if seed != self.shuffle_seed or ("shuffle" in state) != (self.shuffle is not None):
+            raise DataError(
+                f"the checkpoint's data position was written with data.shuffle_seed={seed} and "
+                f"{'a' if 'shuffle' in state else 'no'} document buffer; this run has shuffle_seed="
+                f"{self.shuffle_seed} and {'a' if self.shuffle is not None else 'no'} buffer: resume with "
+                "the checkpoint's values (or resume=never)"
+            )
         self.epoch = int(state["epoch"])
         self._buffer = list(state["buffer"])
         self._doc_state = copy.deepcopy(state["dataset"])
-        self.ds.load_state_dict(copy.deepcopy(self._doc_state))
+        self._start_epoch(self._doc_state)
+        self._from_start = False
+        if self.shuffle is not None:
+            self.shuffle.load_state_dict(state["shuffle"])
+
+    def _start_epoch(self, position: dict) -> None:
+        """Read on from `position` in the current epoch's file order."""
+        if self.shuffle_seed is not None:
+            self.ds.set_epoch(self.epoch)
+        self.ds.load_state_dict(copy.deepcopy(position))
         self._docs = None
 
     # -- documents --------------------------------------------------------------------------------
     def _next_texts(self, n: int) -> list[str]:
         texts: list[str] = []
-        restarted_empty = False
-        reopens = 0
         while len(texts) < n:
+            if self.shuffle is not None and (text := self.shuffle.next()) is not None:
+                texts.append(text)
+                continue
+            text = self._read_document()
+            if text is None and self.shuffle is not None and self.shuffle.flush(self.epoch):
+                continue  # the pass's last documents, permuted
+            if text is None:
+                if not self.wrap:
+                    self.epoch += 1
+                    break
+                self._next_epoch()
+            elif self.shuffle is not None:
+                self.shuffle.add(text, self.epoch)
+            else:
+                texts.append(text)
+        return texts
+
+    def _next_epoch(self) -> None:
+        """The shard is exhausted: start the next epoch from its beginning (in that epoch's file order)."""
+        if self._from_start and not self._read_in_pass:
+            raise DataError(
+                f"data shard {self.shard}/{self.num_shards} of split {self.split!r} has no documents"
+            )
+        self.epoch += 1
+        self._doc_state = self._init_state
+        self._start_epoch(self._init_state)
+        self._from_start, self._read_in_pass = True, False
+        if self.shuffle is not None:
+            self.shuffle.fills = 0
+
+    # A whole pass from the shard's beginning that read nothing means an empty shard (a pass resumed at
+    # the shard's end reads nothing too, legitimately).
+    _from_start, _read_in_pass = True, False
+
+    def _read_document(self) -> str | None:
+        """The shard's next document in this pass (None at its end), reopening the stream at the last
+        position after a read failure that reading again may cure."""
+        reopens = 0
+        while True:
             if self._docs is None:
                 self._docs = iter(self.ds)
             try:
-                texts.append(next(self._docs)["text"])
-                self._doc_state = self.ds.state_dict()
-                restarted_empty = False
+                text = next(self._docs)["text"]
             except DataError:  # e.g. a bad noniid_key, met by the filter while reading
                 raise
+            except StopIteration:
+                return None
             except (OSError, ValueError, EOFError) as e:  # network, HTTP, gzip, JSON (pyarrow's ArrowInvalid)
                 if not _transient(e) or reopens == STREAM_REOPENS:
                     tried = f" (reopened {reopens} times)" if reopens else ""
@@ -379,21 +533,11 @@ class SequenceStream:
                     ) from e
                 reopens += 1
                 log.warning("data stream read failed (%s); reopening it at the next document", _one_line(e))
-                self.ds.load_state_dict(copy.deepcopy(self._doc_state))
-                self._docs = None
-            except StopIteration:
-                if restarted_empty:
-                    raise DataError(
-                        f"data shard {self.shard}/{self.num_shards} of split {self.split!r} has no documents"
-                    ) from None
-                restarted_empty = True
-                self.epoch += 1  # shard exhausted: start the next epoch from its beginning
-                if not self.wrap:
-                    break
-                self.ds.load_state_dict(copy.deepcopy(self._init_state))
-                self._doc_state = self._init_state
-                self._docs = None
-        return texts
+                self._start_epoch(self._doc_state)
+                continue
+            self._doc_state = self.ds.state_dict()
+            self._read_in_pass = True
+            return text
 
     # -- sequences --------------------------------------------------------------------------------
     def next_batch(self, batch_size: int) -> Batch | None:

@@ -126,6 +126,10 @@ class DataConfig:
     noniid_key: str = "domain"  # noniid groups documents by URL host (domain) or source page (page)
     shard: Optional[int] = None  # None: this rank's shard (rank, world size); set for DumbDiLoCo nodes
     num_shards: Optional[int] = None
+    # The training stream's order: its shard's files in a seeded order (datasets' shuffle) and its documents
+    # through a seeded buffer of `shuffle_buffer` (data.DocumentShuffle). null: the files' own order.
+    shuffle_seed: Optional[int] = II("seed")
+    shuffle_buffer: int = 1000  # documents; 0: files shuffled, documents in file order
 
 
 # --------------------------------------------------------------------------- distributed modes

@@ -540,7 +540,15 @@ def build_data(cfg: schema.Config, ctx: DistContext) -> tuple[PrefetchedStream, 
     (shard, num_shards), part = data_shard(cfg, ctx), (0, 1)
     if ctx.shard_per_node:  # a node's shard (data.shard), split among the node's ranks
         part = (ctx.rank, ctx.world_size)
-    stream = SequenceStream(cfg.data, tokenizer, cfg.data.train_split, shard, num_shards, part=part)
+    stream = SequenceStream(
+        cfg.data,
+        tokenizer,
+        cfg.data.train_split,
+        shard,
+        num_shards,
+        part=part,
+        shuffle_seed=cfg.data.shuffle_seed,
+    )
     train_stream = PrefetchedStream(stream, cfg.train.micro_batch_size)
     if not ctx.is_main:
         return train_stream, {}

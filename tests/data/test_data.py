@@ -165,16 +165,17 @@ def test_tokenizers_that_may_merge_across_a_cut_get_whole_documents(tok):
     assert prefix_cut_chars(other, 64) == 0
 
 
+@pytest.mark.parametrize("seed", [None, 1, 2])
 @pytest.mark.parametrize("packing", [False, True])
-def test_stream_resumes_at_the_exact_next_batch(data_cfg, tok, packing):
+def test_stream_resumes_at_the_exact_next_batch(data_cfg, tok, packing, seed):
     cfg = data_cfg.copy()
-    cfg.packing = packing
-    a = SequenceStream(cfg, tok, "train", 1, 2)
+    cfg.packing, cfg.shuffle_buffer = packing, 16
+    a = SequenceStream(cfg, tok, "train", 1, 2, shuffle_seed=seed)
     for _ in range(3):
         a.next_batch(5)
     state = json.loads(json.dumps(a.state_dict()))  # survives serialisation
     expected = [a.next_batch(5) for _ in range(3)]
-    b = SequenceStream(cfg, tok, "train", 1, 2)
+    b = SequenceStream(cfg, tok, "train", 1, 2, shuffle_seed=seed)
     b.load_state_dict(state)
     for want in expected:
         got = b.next_batch(5)
@@ -254,3 +255,78 @@ def test_bad_data_files_are_named(tmp_path, data_cfg, content, message):
     with pytest.raises(DataError, match=message) as err:
         document_stream(cfg, "train")
     assert "\n" not in str(err.value)
+
+
+def _documents(stream: SequenceStream, n: int) -> list[str]:
+    return stream._next_texts(n)  # the documents themselves, before tokenising
+
+
+@pytest.mark.parametrize(("sharding", "num_shards"), [("iid", 1), ("iid", 2), ("iid", 3), ("noniid", 2)])
+def test_the_seed_orders_a_shard_but_never_changes_which_documents_it_holds(
+    data_cfg, tok, sharding, num_shards
+):
+    """One pass over a shard reads the same documents, each once, under any seed (files shuffled only
+    inside a shard of whole files, documents through the buffer); two seeds read them in other orders."""
+    cfg = data_cfg.copy()
+    cfg.sharding, cfg.shuffle_buffer = sharding, 64
+    whole = _texts(cfg, "train", 0, num_shards, sharding)
+    passes = {}
+    for seed in (None, 1, 2):
+        stream = SequenceStream(cfg, tok, "train", 0, num_shards, shuffle_seed=seed)
+        passes[seed] = _documents(stream, len(whole))
+        assert stream.epoch == 0 and sorted(passes[seed]) == sorted(whole)
+    assert passes[None] == whole
+    assert passes[1][:20] != passes[None][:20] and passes[1][:20] != passes[2][:20]
+
+
+def test_a_document_buffer_permutes_each_fill_by_the_library_rule():
+    """By hand: fill to 4, hand out 2 of the permuted 4 and keep 2; at the end of the pass the kept ones
+    come out permuted too. The permutation is numpy's PCG64 seeded with (seed, shard, ..., epoch, fill)."""
+    import numpy as np
+
+    from diloco.data import DocumentShuffle
+
+    buf, out = DocumentShuffle(4, (5, 0, 1, 0, 1)), []
+    for doc in "abcdef":
+        buf.add(doc, epoch=0)
+        while (d := buf.next()) is not None:
+            out.append(d)
+    buf.flush(epoch=0)
+    while (d := buf.next()) is not None:
+        out.append(d)
+    p0 = np.random.default_rng([5, 0, 1, 0, 1, 0, 0]).permutation(4)
+    first = [list("abcd")[i] for i in p0]
+    p1 = np.random.default_rng([5, 0, 1, 0, 1, 0, 1]).permutation(4)
+    second = [[*first[2:], "e", "f"][i] for i in p1]
+    p2 = np.random.default_rng([5, 0, 1, 0, 1, 0, 2]).permutation(2)
+    last = [second[2:][i] for i in p2]
+    assert out == first[:2] + second[:2] + last
+    assert sorted(out) == list("abcdef")
+
+
+def test_a_stream_resumes_exactly_across_an_epoch_with_a_shuffle(tmp_path, data_cfg, tok):
+    path = tmp_path / "c4-train.00000-of-00001.json.gz"
+    with gzip.open(path, "wt") as fh:
+        for i in range(7):
+            fh.write(json.dumps({"text": f"document number {i}", "url": f"https://x.org/{i}"}) + "\n")
+    cfg = data_cfg.copy()
+    cfg.data_files, cfg.shuffle_buffer = {"train": str(path), "validation": str(path)}, 4
+    whole = SequenceStream(cfg, tok, "train", 0, 1, shuffle_seed=3)
+    want = [_documents(whole, 3) for _ in range(6)]  # 18 documents: 2.6 epochs
+    flat = sum(want, [])
+    assert whole.epoch == 2 and sorted(flat[:7]) == sorted(flat[7:14]) and flat[:7] != flat[7:14]
+    for stop in range(1, 6):
+        first = SequenceStream(cfg, tok, "train", 0, 1, shuffle_seed=3)
+        got = [_documents(first, 3) for _ in range(stop)]
+        resumed = SequenceStream(cfg, tok, "train", 0, 1, shuffle_seed=3)
+        resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+        got += [_documents(resumed, 3) for _ in range(6 - stop)]
+        assert got == want, stop
+
+
+def test_a_checkpoint_of_another_shuffle_seed_is_refused_in_one_line(data_cfg, tok):
+    a = SequenceStream(data_cfg, tok, "train", 0, 1, shuffle_seed=1)
+    a.next_batch(2)
+    b = SequenceStream(data_cfg, tok, "train", 0, 1, shuffle_seed=2)
+    with pytest.raises(DataError, match="shuffle_seed=1 .* shuffle_seed=2"):
+        b.load_state_dict(a.state_dict())

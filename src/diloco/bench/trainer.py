@@ -134,7 +134,7 @@ def fetch_batches(cfg, s: dict) -> list:
     from diloco.data import SequenceStream, load_tokenizer
 
     tok = load_tokenizer(cfg.data.tokenizer)
-    stream = SequenceStream(cfg.data, tok, cfg.data.train_split, 0, 1)
+    stream = SequenceStream(cfg.data, tok, cfg.data.train_split, 0, 1, shuffle_seed=cfg.data.shuffle_seed)
     n = s["steps"] * (s["batch"] // s["micro"])
     return [stream.next_batch(s["micro"]) for _ in range(n)]
 
