@@ -16,7 +16,7 @@ FORCE ?= 0
 NODES_FILE ?= configs/local/nodes.txt
 export NODES_FILE
 
-.PHONY: help setup lock check-lock demo test soak-resume test-gpu lint clean tune-law tune-eager budget-law ladder-law ladder-controlled replicate-tiny replicate-tiny-law replicate-tiny-hetero replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check
+.PHONY: help setup lock check-lock demo test soak-resume test-gpu lint clean tune-law tune-eager budget-law ladder-law ladder-controlled ladder-rounds replicate-tiny replicate-tiny-law replicate-tiny-hetero replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check
 
 help:  ## list what can be run
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-18s %s\n", $$1, $$2}'
@@ -119,6 +119,9 @@ ladder-law: setup  ## issue 33: 4x DDP vs DiLoCo at 133k, 262k, 689k params in t
 
 ladder-controlled: setup  ## issue 42: 4x DDP (one process) vs DiLoCo at 33k, 131k, 359k non-embedding params, 20 tokens per non-embedding parameter and 2,048-token batches on every rung, lr swept per rung and method at 2 seeds, 3 fresh report seeds (~5 h on 2 idle cores; RUNGS=name to run one batch) -> results/ladder-controlled
 	$(PY) scripts/ladder_controlled.py --runs $(RUNS)/ladder-controlled $(if $(RUNGS),--rungs $(RUNGS),)
+
+ladder-rounds: setup  ## issue 55: the controlled ladder at H = 10 / 30 / 90 x outer optimizer, DiLoCo vs 4x DDP at equal tokens, 3 report seeds that order the data (~4 h on 2 idle cores; RUNGS=name to run one batch) -> results/ladder-rounds
+	$(PY) scripts/ladder_rounds.py --runs $(RUNS)/ladder-rounds $(if $(RUNGS),--rungs $(RUNGS),)
 
 tune-tiny: setup  ## fair tuning of the tiny family on the eval split's tuning half, 2 seeds (~40 min on 2 cores) -> results/tiny-tuning
 	$(PY) scripts/tune_tiny.py --runs $(RUNS)/tune
