@@ -3,18 +3,23 @@ synchronous DiLoCo (diloco.py) and the DumbDiLoCo master (dumb_diloco/master/loo
 weights are stepped in place by `torch.optim.SGD(nesterov=True)` with the averaged pseudo-gradient as
 their gradient. The two strategies differ only in how that average is formed (a collective, a store).
 
-`delay_period > 1` is delayed Nesterov (Liu et al., Asynchronous Local-SGD, arXiv 2401.09135, Sec. 3.2),
-for the asynchronous master: the momentum changes only once `delay_period` pseudo-gradients (deltas, not
-outer steps) have arrived since its last change, from their mean; in between each step is plain SGD. A
-step whose gradient g is the mean of n deltas (a quorum round) counts n:
+`delay_period` N > 1 is delayed Nesterov (Liu et al., Asynchronous Local-SGD Training for Language
+Modeling, arXiv 2401.09135, Sec. 3.2; as in the HALoS authors' public `DelayedNesterovOptimizer`, their
+c = 0), for the asynchronous master. Each delta moves the weights by 1/N of a step; the momentum changes
+only once N deltas have arrived since its last change, from their mean. For one delta g at a time:
 
-    every step:      a <- a + n * g,  k <- k + n
-    k < period:      theta <- theta - lr * g
-    k >= period:     m <- mu * m + a / k;  theta <- theta - lr * (g + mu * m);  a <- 0, k <- 0
+    every delta:   a <- a + g,  k <- k + 1
+    k < N:         theta <- theta - lr * g / N
+    k = N:         m <- mu * m + a / N;  theta <- theta - lr * (g / N + mu * m);  a <- 0, k <- 0
 
-So with 4 nodes, rounds of 4 deltas and period 4 the momentum refreshes every round, as in synchronous
-DiLoCo; with one delta per step, every 4th step (the paper's setting, period = number of workers).
-With period 1 this is exactly torch's SGD with nesterov=True (a test).
+so N single-delta steps move theta exactly as one synchronous Nesterov step on their mean (a test). A
+step whose gradient g is the mean of n deltas (a quorum round) is those n deltas at once: a <- a + n g,
+k <- k + n, and its plain part is lr * n g / N. A round that overshoots the period (k > N) refreshes
+from the mean of its k deltas, a / k. With rounds of N deltas the momentum refreshes every round, as in
+synchronous DiLoCo; with N = 1 this is exactly torch's SGD with nesterov=True (a test).
+
+Before issue 55 each step moved theta by lr * g, whatever N: N single deltas moved it N times as far as
+the paper's rule (records made before then say which rule they ran).
 """
 
 from __future__ import annotations
@@ -61,10 +66,11 @@ class OuterOptimizer:
         for i, g in enumerate(pseudo_grads):
             if g is not None:
                 self._sum[i] = g * deltas if self._sum[i] is None else self._sum[i].add_(g, alpha=deltas)
+        share = deltas / self.delay_period  # each delta moves theta by 1/N of a step
         if self._count < self.delay_period:
             for p, g in zip(self.params, pseudo_grads, strict=True):
                 if g is not None:
-                    p.sub_(g, alpha=self.lr)
+                    p.sub_(g, alpha=self.lr * share)
             return
         for i, (p, g) in enumerate(zip(self.params, pseudo_grads, strict=True)):
             if g is None:
@@ -73,7 +79,7 @@ class OuterOptimizer:
             m = state.get("momentum_buffer")
             m = torch.zeros_like(g) if m is None else m
             state["momentum_buffer"] = m.mul_(self.momentum).add_(self._sum[i], alpha=1.0 / self._count)
-            p.sub_(g + self.momentum * m, alpha=self.lr)
+            p.sub_(g * share + self.momentum * m, alpha=self.lr)
         self._sum = [None] * len(self.params)
         self._count = 0
 

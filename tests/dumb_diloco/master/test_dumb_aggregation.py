@@ -420,13 +420,14 @@ def test_delayed_nesterov_against_a_hand_computed_update(tmp_path):
     for i, v in enumerate(grads):
         put_delta(repo, "a", i + 1, g(v))
         loop.run_once()
-    # step 1: k=1 < 2, plain SGD on the delta; the buffer is untouched
-    w1 = W0 - LR * 1.0
-    # step 2: k=2, m <- mu*0 + (1.0 - 0.5)/2, Nesterov with the refreshed buffer
+    # the paper's rule (arXiv 2401.09135), N = 2: each delta moves theta by lr * g / N
+    # step 1: k=1 < 2, half a step on the delta; the buffer is untouched
+    w1 = W0 - LR * 1.0 / 2
+    # step 2: k=2, m <- mu*0 + (1.0 - 0.5)/2, and theta moves by lr * (g/2 + mu m)
     m = 0.0 * MU + (1.0 + -0.5) / 2
-    w2 = w1 - LR * (-0.5 + MU * m)
-    # step 3: k=1 again, plain SGD; m unchanged, the delta waits in the accumulator
-    w3 = w2 - LR * 2.0
+    w2 = w1 - LR * (-0.5 / 2 + MU * m)
+    # step 3: k=1 again, half a step; m unchanged, the delta waits in the accumulator
+    w3 = w2 - LR * 2.0 / 2
     assert torch.allclose(loop.state.weights["w"], w3, atol=1e-6)
     assert torch.allclose(loop.state.momentum["w"], torch.full((2, 2), m))
     assert loop.state.delayed_count == 1 and torch.equal(loop.state.delayed["w"], torch.full((2, 2), 2.0))
