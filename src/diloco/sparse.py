@@ -34,10 +34,20 @@ them in FP32 in rank order and divides by W: every worker computes the same oper
 so all get the same mean bit for bit. Each worker hands one payload to the all-gather (what `comm/bytes`
 counts; the network carries it to W-1 peers).
 
-With `topk_normalize: median` (SparseLoCo, Sec. 3) each worker's decoded contribution is scaled to the
-median over workers of their norms before the sum, so no single worker's large pseudo-gradient dominates
-the mean; the weights come from the gathered bytes, so they too are the same on every worker. Off by
-default. Error feedback still carries against what the worker itself sent, unscaled.
+With `topk_normalize: median` (SparseLoCo, Sec. 3, as the authors' code does it) each worker's decoded
+contribution to each parameter tensor is clipped to the median over workers of their norms for that
+tensor before the sum: weight min(1, median_j ||sent_j,t|| / (||sent_r,t|| + 1e-8)) per worker r and
+tensor t (the lower median for an even W). A large contribution is scaled down; a small one keeps weight
+1 (it is never scaled up). The weights come from the gathered bytes, so they too are the same on every
+worker. Off by default. Error feedback still carries against what the worker itself sent, unscaled. (A
+tensor that the flat fragment layout cuts across fragments is clipped per piece.) Before issue 55 the
+weight was median / norm, unclipped, per bucket: a worker at a tenth of the others' scale was scaled up
+ten times.
+
+Where this departs from the authors' code (SparseLoCo's records say so): its 2-bit values are two levels
+per chunk of 4,096 consecutive values of a flat bucket (sign and the mean magnitude of the larger and the
+smaller half of the kept values, bfloat16), where the authors quantize to 4 bins around the mean with a
+per-tensor table and chunk each tensor into 64x64 tiles.
 
 Error feedback (EF-SGD, Karimireddy et al. 2019), always on: carry <- (beta carry + pseudo_grad) -
 decoded(own payload). The carry is one zero-padded FP32 bucket per worker, checkpointed, so resume stays
@@ -56,6 +66,7 @@ from diloco.comm import CastStats, Collective
 TOPK_DTYPE = "topk2"
 NORMALIZE = ("none", "median")  # topk_normalize: SparseLoCo's median-norm normalisation, or none
 MAX_CHUNK = 4096  # in-chunk indices are 12 bits
+MEDIAN_EPS = 1e-8  # topk_normalize median: the authors' epsilon under a contribution's norm
 
 
 def topk_count(density: float, chunk: int) -> int:
@@ -211,11 +222,13 @@ def unpack(payload: torch.Tensor, chunks: int, k: int) -> tuple[torch.Tensor, to
     return unpack_indices(indices, k), values(unpack_codes(codes, k), scales)
 
 
-def sent_norm(payload: torch.Tensor, n: int, chunk: int, k: int) -> torch.Tensor:
-    """||decode(payload)||, FP32 scalar: the L2 norm of the values a payload sends for its n values."""
-    idx, vals = unpack(payload, num_chunks(n, chunk), k)
-    real = idx + torch.arange(idx.shape[0], device=idx.device)[:, None] * chunk < n  # not the padding
-    return torch.linalg.vector_norm(vals * real)
+def _sizes(sizes: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(sizes, dtype=torch.long, device=device)
+
+
+def _segment_norms(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """FP32 [len(sizes)]: the L2 norm of each consecutive segment of x (a bucket's tensors)."""
+    return torch.stack([torch.linalg.vector_norm(part) for part in x.split(sizes)])
 
 
 def decode_add_(
@@ -297,18 +310,26 @@ class TopKAverager:
         c.sq_norm, c.sq_error, c.underflow = c.sq_norm + sq_norm, c.sq_error + sq_err, c.underflow + under
         c.numel += n
         gathered = self.coll.all_gather(payload, tag=f"pseudo_grad_{self.dtype}")  # [W, payload_bytes]
-        weights = self.weights(gathered, n) if self.normalize == "median" else [None] * len(gathered)
         total = torch.zeros(y.numel(), device=flat.device)
-        for row, weight in zip(gathered, weights):  # rank order: every member adds the same in the same order
-            decode_add_(row, self.chunk, self.k, total, weight)
+        if self.normalize == "median":
+            weights = self.weights(gathered, n, sizes)  # [W, tensors]
+            for row, weight in zip(gathered, weights):  # rank order, as below
+                total[:n].add_(
+                    decode(row, n, self.chunk, self.k).mul_(
+                        weight.repeat_interleave(_sizes(sizes, weight.device))
+                    )
+                )
+        else:
+            for row in gathered:  # rank order: every member adds the same in the same order
+                decode_add_(row, self.chunk, self.k, total)
         return flat.copy_(total[:n]).div_(self.coll.size)
 
-    def weights(self, gathered: torch.Tensor, n: int) -> list[torch.Tensor]:
-        """topk_normalize median: worker r's contribution times median_j ||sent_j|| / ||sent_r|| (the
-        lower median for an even W; a worker that sent zeros keeps weight 1)."""
-        norms = torch.stack([sent_norm(row, n, self.chunk, self.k) for row in gathered])
-        median = norms.median()
-        return list(torch.where(norms > 0, median / norms, torch.ones_like(norms)).unbind())
+    def weights(self, gathered: torch.Tensor, n: int, sizes: list[int]) -> torch.Tensor:
+        """topk_normalize median: FP32 [W, tensors], worker r's weight for tensor t, min(1, median_j
+        ||sent_j,t|| / (||sent_r,t|| + MEDIAN_EPS)) (the lower median for an even W)."""
+        norms = torch.stack([_segment_norms(decode(row, n, self.chunk, self.k), sizes) for row in gathered])
+        median = norms.median(dim=0).values  # [tensors]
+        return (median / (norms + MEDIAN_EPS)).clamp_(max=1.0)
 
     def state_dict(self) -> dict:
         return {"residuals": {k: t.cpu() for k, t in self.residuals.items()}}

@@ -187,26 +187,40 @@ def test_four_workers_get_the_same_mean_bit_for_bit_the_mean_of_the_decoded_payl
         assert sent == {"pseudo_grad_topk2": rounds * payload_bytes(n, chunk, k)}
 
 
-def test_median_normalisation_scales_each_contribution_to_the_median_norm():
-    """Worker r's pseudo-gradient is 10^r times larger: with topk_normalize median each decoded payload
-    is scaled to the (lower) median of their norms before the sum, the same on every worker."""
-    w, n, chunk, k = 4, 2000, 256, 8
+def test_median_normalisation_clips_each_tensor_to_the_median_norm_as_the_authors_do():
+    """SparseLoCo's median norm as the authors' code applies it, by hand on the decoded payloads: per
+    parameter tensor t, worker r's contribution times min(1, median_j ||sent_j,t|| / (||sent_r,t|| +
+    1e-8)), the lower median for an even W. Worker r's first tensor is 10^r times larger, its second
+    10^-r times: the large ones are scaled down, the small ones never up (worker 1's second tensor, a
+    tenth of worker 0's, keeps weight 1; the rule before issue 55, median / norm per bucket, scaled such
+    a contribution up)."""
+    w, sizes, chunk, k = 4, [1200, 800], 256, 8
+    n = sum(sizes)
 
     def worker(r, coll):
         rec = Recording(coll)
         avg = TopKAverager(rec, density=k / chunk, chunk=chunk, normalize="median")
-        x = torch.randn(n, generator=torch.Generator().manual_seed(r)) * 10.0**r
-        return avg.average_(x, [n]), rec.gathered[0]
+        x = torch.randn(n, generator=torch.Generator().manual_seed(r))
+        x[: sizes[0]] *= 10.0**r
+        x[sizes[0] :] *= 10.0**-r
+        return avg.average_(x, sizes), rec.gathered[0]
 
     results = run_threads(w, worker)
     decoded = [decode(row, n, chunk, k) for row in results[0][1]]
-    norms = torch.stack([torch.linalg.vector_norm(d) for d in decoded])
-    median = norms.sort().values[(w - 1) // 2]
-    reference = sum(d * (median / norm) for d, norm in zip(decoded, norms)) / w
+    reference, weights = torch.zeros(n), []
+    for lo, hi in [(0, sizes[0]), (sizes[0], n)]:
+        norms = [float(torch.linalg.vector_norm(d[lo:hi])) for d in decoded]
+        median = sorted(norms)[(w - 1) // 2]
+        weights.append([min(1.0, median / (norm + 1e-8)) for norm in norms])
+        for d, weight in zip(decoded, weights[-1]):
+            reference[lo:hi] += d[lo:hi] * weight
+    reference /= w
+    one = pytest.approx([1.0, 1.0], rel=1e-6)  # the median's own: median / (median + 1e-8)
+    assert weights[0][:2] == one and weights[0][3] < 0.02  # the 1000x worker is clipped
+    assert weights[1][2:] == one and weights[1][0] < 0.02  # the small ones keep weight 1
     for out, _ in results:
-        assert torch.equal(out, results[0][0])
-        torch.testing.assert_close(out, reference, rtol=1e-6, atol=0)
-    assert float(torch.linalg.vector_norm(out)) < float(median)  # the 1000x worker does not dominate
+        assert torch.equal(out, results[0][0])  # the same on every worker
+        torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-9)
 
 
 def test_error_feedback_loses_nothing_over_rounds():
