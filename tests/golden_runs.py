@@ -64,6 +64,7 @@ TRAINER_RUNS = {  # name -> the overrides on top of COMMON; all run by 2 gloo ra
         *DILOCO,
         "distributed.pseudo_grad_dtype=float32",
         "distributed.fragments=2",
+        "distributed.fragment_layout=flat",  # as recorded (the paper's block fragments came later, issue 55)
     ],
 }
 

@@ -31,6 +31,7 @@ from diloco.errors import ConfigError
 WIRE_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4", "topk2")
 ERROR_FEEDBACK_DTYPES = ("int8", "int4", "topk2")
 GLOBAL_COPY_DEVICES = ("cpu", "device")
+FRAGMENT_LAYOUTS = ("strided", "sequential", "flat")  # Streaming DiLoCo's fragments (diloco.fragment_pieces)
 DUMB_DILOCO_ROLES = ("master", "worker", "single")
 
 
@@ -328,6 +329,7 @@ def check_distributed(block: Any) -> Any:
         tau_max = d.inner_steps + 1 if d.eager_updates else d.inner_steps  # eager updates: tau = H
         _number("distributed.overlap_steps", d.overlap_steps, 0, strict=False, integer=True, hi=tau_max)
         _number("distributed.fragment_alpha", d.fragment_alpha, 0, strict=False, hi=1)
+        _one_of("distributed.fragment_layout", d.fragment_layout, FRAGMENT_LAYOUTS)
         if d.eager_updates and d.overlap_steps != d.inner_steps:
             raise ConfigError(
                 "distributed.eager_updates overlaps the whole inner phase: it needs overlap_steps = "
@@ -509,6 +511,13 @@ def validate(cfg: DictConfig) -> schema.Config:
         )
     if d.mode == "diloco":
         _check_evaluated_steps_are_boundaries(c.train, d.inner_steps)
+        blocks = d.fragment_layout != "flat" and d.fragments > 1
+        if blocks and d.fragments > c.model.num_hidden_layers:
+            raise ConfigError(
+                f"distributed.fragments={d.fragments} is more than the model's {c.model.num_hidden_layers} "
+                f"decoder blocks, which fragment_layout={d.fragment_layout} groups: use at most "
+                f"{c.model.num_hidden_layers} fragments, or fragment_layout=flat"
+            )
     if d.mode == "dumb_diloco":
         _check_dumb_diloco_run(cfg)
     c.distributed = d

@@ -20,9 +20,13 @@ its counterparts in the other workers and broadcasts the mean to its worker, so 
 byte of the pseudo-gradient once. OpenDiLoCo keeps the AdamW state across rounds; the DumbDiLoCo
 spec resets it (`reset_inner_optimizer`).
 
-Streaming DiLoCo (Douillard et al., arXiv 2501.18512, Sec. 2): with `fragments` P > 1 the parameters are
-cut into P consecutive fragments and fragment f is synchronised every H steps at offset (f+1)H/P, so one
-sync sends 1/P of the model; with `overlap_steps` tau > 0 its outer step is applied tau inner steps after
+Streaming DiLoCo (Douillard et al., arXiv 2501.18512, Sec. 2): with `fragments` P > 1 the decoder blocks
+are grouped into P fragments, by default the paper's strided pattern (fragment f holds blocks f, f+P,
+f+2P, ...; `fragment_layout: sequential` takes P runs of consecutive blocks), the embeddings going with
+fragment 0 and the final norm and head with fragment P-1, as torchtitan's fragmenting of a Llama does;
+`fragment_layout: flat` is the cut this repository used before issue 55 (P equal runs of the flattened
+weights, tensors split at the boundaries). Fragment f is synchronised every H steps at offset (f+1)H/P, so one
+sync sends about 1/P of the model; with `overlap_steps` tau > 0 its outer step is applied tau inner steps after
 its pseudo-gradient was taken, merged as local <- alpha local + (1 - alpha) global (`fragment_alpha`).
 P=1, tau=0, alpha=0 is the algorithm above, bit for bit. With one rank per worker the averaging runs on
 a transfer thread during those tau steps.
@@ -43,6 +47,7 @@ fresh shares; the last round's mean is never applied (it arrives after the run).
 from __future__ import annotations
 
 import math
+import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -69,16 +74,50 @@ def make_buckets(params: list[torch.Tensor], bucket_size_mb: float) -> list[list
     return buckets
 
 
-def _fragment_pieces(
-    params: list[torch.Tensor], fragments: int
-) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Per fragment, its (piece, parameter) pairs: P consecutive runs of equal size of the flattened
-    parameters, a piece being the whole parameter or, across a boundary, its flat view in the fragment."""
+Pieces = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per fragment, its (piece, parameter) pairs
+_BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a decoder block's parameter: model.layers.<i>.
+
+
+def fragment_pieces(named: list[tuple[str, torch.Tensor]], fragments: int, layout: str) -> Pieces:
+    """Per fragment, its (piece, parameter) pairs: whole parameters grouped by decoder block (strided,
+    sequential), or P equal runs of the flattened parameters (flat), a piece being the whole parameter or,
+    across a boundary, its flat view in the fragment."""
+    params = [p for _, p in named]
+    if layout == "flat" or fragments == 1:
+        return _flat_pieces(params, fragments)
+    blocks = [int(m.group(1)) if (m := _BLOCK.search(name)) else None for name, _ in named]
+    layers = sorted({b for b in blocks if b is not None})
+    if len(layers) < fragments:
+        raise ValueError(
+            f"fragment_layout={layout} groups decoder blocks (`layers.<i>.` parameters) and this model has "
+            f"{len(layers)} for {fragments} fragments: use fragment_layout=flat"
+        )
+    pieces: Pieces = [[] for _ in range(fragments)]
+    seen_block = False
+    for p, b in zip(params, blocks, strict=True):
+        seen_block = seen_block or b is not None
+        pieces[_fragment_of(b, seen_block, layers, fragments, layout)].append((p, p))
+    return pieces
+
+
+def _fragment_of(
+    block: int | None, after_blocks: bool, layers: list[int], fragments: int, layout: str
+) -> int:
+    """The fragment of a parameter of decoder block `block` (None: before the blocks, the embeddings, ->
+    0; after them, the final norm and head, -> P-1)."""
+    if block is None:
+        return fragments - 1 if after_blocks else 0
+    i = layers.index(block)
+    return i % fragments if layout == "strided" else i * fragments // len(layers)
+
+
+def _flat_pieces(params: list[torch.Tensor], fragments: int) -> Pieces:
+    """P consecutive runs of equal size of the flattened parameters (`fragment_layout: flat`)."""
     total, start = sum(p.numel() for p in params), 0
     if fragments > total:
         raise ValueError(f"fragments={fragments} is more than this model's {total} parameters")
     bounds = [f * total // fragments for f in range(fragments + 1)]
-    pieces: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(fragments)]
+    pieces: Pieces = [[] for _ in range(fragments)]
     for p in params:
         end = start + p.numel()
         for f in range(fragments):
@@ -90,22 +129,22 @@ def _fragment_pieces(
 
 
 def fragment_buckets(
-    params: list[torch.Tensor], fragments: int, bucket_size_mb: float
+    pieces_of: Pieces, bucket_size_mb: float
 ) -> tuple[list[list[torch.Tensor]], list[list[int]]]:
-    """Streaming DiLoCo's fragments (`_fragment_pieces`), each cut into buckets; returns the buckets
+    """Streaming DiLoCo's fragments (`fragment_pieces`), each cut into buckets; returns the buckets
     and, per fragment, its bucket indices. P=1: make_buckets(params)."""
     buckets, ids = [], []
-    for pieces in _fragment_pieces(params, fragments):
+    for pieces in pieces_of:
         part = make_buckets([piece for piece, _ in pieces], bucket_size_mb)
         ids.append(list(range(len(buckets), len(buckets) + len(part))))
         buckets += part
     return buckets, ids
 
 
-def fragment_parameters(params: list[torch.Tensor], fragments: int) -> list[list[torch.Tensor]]:
+def fragment_parameters(pieces_of: Pieces) -> list[list[torch.Tensor]]:
     """Per fragment, the parameters with elements in it (a split tensor is in two): whose inner
     optimizer state a restart from the fragment's global weights resets."""
-    return [[p for _, p in pieces] for pieces in _fragment_pieces(params, fragments)]
+    return [[p for _, p in pieces] for pieces in pieces_of]
 
 
 def make_averager(
@@ -187,10 +226,9 @@ class DiLoCo:
         self.averager = make_averager(
             cross, c.pseudo_grad_dtype, c.fp16_scaling, c.error_feedback, c.quant_block_size, topk
         )
-        self.buckets, self.fragments = fragment_buckets(
-            list(model.parameters()), c.fragments, c.bucket_size_mb
-        )
-        self._fragment_params = fragment_parameters(list(model.parameters()), c.fragments)
+        pieces = fragment_pieces(list(model.named_parameters()), c.fragments, c.fragment_layout)
+        self.buckets, self.fragments = fragment_buckets(pieces, c.bucket_size_mb)
+        self._fragment_params = fragment_parameters(pieces)
         # fragment f is synchronised at inner steps (f + 1) * H / P modulo H (P=1: every H steps)
         self._schedule = {(f + 1) * inner_steps // c.fragments % inner_steps: f for f in range(c.fragments)}
         self.overlap_steps, self.fragment_alpha = overlap_steps, c.fragment_alpha

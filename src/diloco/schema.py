@@ -172,6 +172,10 @@ class DiLoCoConfig:
     # outer_momentum 0 (the carry stands in for the momentum); 1: plain error feedback
     topk_ef_decay: float = 1.0
     fragments: int = 1  # Streaming DiLoCo's P: fragment f syncs every H steps at offset (f+1)H/P
+    # which parameters make fragment f: strided (the paper's: decoder blocks f, f+P, ...; embeddings with
+    # fragment 0, final norm and head with fragment P-1) | sequential (P runs of consecutive blocks) | flat
+    # (P equal runs of the flattened weights, tensors cut at the boundaries; this repository's before issue 55)
+    fragment_layout: str = "strided"
     overlap_steps: int = 0  # tau: a fragment's outer step is applied tau inner steps after its sync
     fragment_alpha: float = 0.0  # after the outer step: local <- alpha * local + (1 - alpha) * global
     # Kale et al. 2025's eager updates (needs overlap_steps = inner_steps): step at once with this worker's

@@ -182,8 +182,11 @@ def test_one_worker_h1_lr1_no_momentum_equals_plain_training(tmp_path):
     plain = train(tmp_path, "train.max_steps=5", name="plain")
     diloco = train(tmp_path, "train.max_steps=5", *outer, name="diloco")
     wp, wd = final_weights(plain), final_weights(diloco)
-    for k in wp:  # an AdamW step moves a weight by ~lr = 3e-3; round-off stays 1000x below that
-        torch.testing.assert_close(wd[k], wp[k], rtol=0, atol=3e-6)
+    # An AdamW step moves a weight by ~lr = 3e-3; round-off stays 300x below that (measured: 5e-6 on one
+    # of the 131k embedding weights with the seeded data order, 3e-6 with the files' order). A wrong outer
+    # rule (lr 0.5, a momentum) moves weights by about a step.
+    for k in wp:
+        torch.testing.assert_close(wd[k], wp[k], rtol=0, atol=1e-5)
     lp = [r["Loss"] for r in read_metrics(plain) if "Loss" in r]
     ld = [r["Loss"] for r in read_metrics(diloco) if "Loss" in r]
     assert lp == pytest.approx(ld, rel=1e-6)

@@ -3,6 +3,7 @@ per sync, P=1 as plain DiLoCo, and exact resume with a fragment in flight."""
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
@@ -71,7 +72,7 @@ def simulated(fragments: int, tau: int, alpha: float) -> list[list[torch.Tensor]
     def worker(w, coll):
         model = models[w]
         opts = dict(inner_steps=H, fragments=fragments, overlap_steps=tau, fragment_alpha=alpha)
-        algo, _ = diloco_for(model, coll, **opts)
+        algo, _ = diloco_for(model, coll, fragment_layout="flat", **opts)
         for step in range(1, STEPS + 1):
             with torch.no_grad():
                 for p, d in zip(model.parameters(), moves(w, step)):
@@ -85,7 +86,7 @@ def simulated(fragments: int, tau: int, alpha: float) -> list[list[torch.Tensor]
 @pytest.mark.parametrize(
     "fragments,tau,alpha", [(1, 0, 0.0), (2, 0, 0.0), (2, 1, 0.0), (3, 2, 0.5), (1, 1, 0.5)]
 )
-def test_fragments_overlap_and_mixing_follow_the_algorithm(fragments, tau, alpha):
+def test_flat_fragments_overlap_and_mixing_follow_the_algorithm(fragments, tau, alpha):
     for ours, ref in zip(simulated(fragments, tau, alpha), by_hand(fragments, tau, alpha)):
         for a, b in zip(ours, ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -141,7 +142,7 @@ def test_a_sync_sends_one_fragment():
     sent = {}
 
     def worker(w, coll):
-        algo, _ = diloco_for(TinyModel(), coll, inner_steps=4, fragments=2)
+        algo, _ = diloco_for(TinyModel(), coll, inner_steps=4, fragments=2, fragment_layout="flat")
         out = []
         for step in range(1, 5):
             before = dict(coll.sent)
@@ -172,14 +173,15 @@ def test_resumed_streaming_run_equals_uninterrupted_bit_for_bit(tmp_path, stop):
     assert rounds == [(3, 0), (5, 1), (7, 0)]
 
 
-def test_fragments_are_equal_runs_of_elements_and_views_of_the_parameters():
-    """P fragments of the flattened parameters differ in size by at most one element, whatever the
+def test_flat_fragments_are_equal_runs_of_elements_and_views_of_the_parameters():
+    """fragment_layout flat: P fragments of the flattened parameters differ in size by at most one element, whatever the
     tensor sizes (the peak bytes per sync is 1/P of the model's); a tensor across a boundary is split
     into views that write through to the parameter."""
-    from diloco.diloco import fragment_buckets
+    from diloco.diloco import fragment_buckets, fragment_pieces
 
     params = [torch.nn.Parameter(torch.zeros(10)), torch.nn.Parameter(torch.zeros(3, 3))]
-    buckets, ids = fragment_buckets(params, 4, bucket_size_mb=1)
+    pieces = fragment_pieces([("a", params[0]), ("b", params[1])], 4, "flat")
+    buckets, ids = fragment_buckets(pieces, bucket_size_mb=1)
     sizes = [sum(t.numel() for b in f for t in buckets[b]) for f in ids]
     assert sizes == [4, 5, 5, 5]  # 19 elements: bounds 0, 4, 9, 14, 19
     pieces = [t for f in ids for b in f for t in buckets[b]]
@@ -237,7 +239,9 @@ def test_eager_updates_follow_the_algorithm(fragments, alpha):
 
     def worker(w, coll):
         model = models[w]
-        opts = dict(inner_steps=H, fragments=fragments, overlap_steps=H, fragment_alpha=alpha)
+        opts = dict(
+            inner_steps=H, fragments=fragments, overlap_steps=H, fragment_alpha=alpha, fragment_layout="flat"
+        )
         algo, _ = diloco_for(model, coll, eager_updates=True, **opts)
         for step in range(1, 14):
             with torch.no_grad():
@@ -277,3 +281,149 @@ def test_eager_updates_without_the_whole_phase_overlapped_is_one_config_line():
         validate(compose_cfg(["experiment=tiny/diloco_stream_p4_eager", "distributed.overlap_steps=3"]))
     assert "\n" not in str(err.value)
     assert validate(compose_cfg(["experiment=tiny/diloco_stream_p4_eager"])).distributed.overlap_steps == 25
+
+
+# ------------------------------------------------------------------------- the paper's block fragments
+
+
+@functools.cache
+def _llama_config(layers: int):
+    from trainer_utils import compose_cfg
+
+    return compose_cfg(["model=micro", f"model.num_hidden_layers={layers}"]).model
+
+
+def _llama(layers: int = 4) -> torch.nn.Module:
+    from diloco.model import build_model
+
+    return build_model(_llama_config(layers), seed=0)
+
+
+@functools.cache
+def _shapes() -> list[torch.Size]:
+    return [p.shape for p in _llama(4).parameters()]
+
+
+def _module(name: str) -> str:
+    """model.layers.2.mlp.up_proj.weight -> model.layers.2; lm_head.weight -> lm_head."""
+    parts = name.split(".")
+    return ".".join(parts[:3]) if parts[1:2] == ["layers"] else ".".join(parts[:-1])
+
+
+@pytest.mark.parametrize(
+    ("layout", "want"),
+    [
+        (
+            "strided",  # the paper's: fragment f holds blocks f, f + P, ...
+            [
+                {"model.embed_tokens", "model.layers.0", "model.layers.2"},
+                {"model.layers.1", "model.layers.3", "model.norm", "lm_head"},
+            ],
+        ),
+        (
+            "sequential",
+            [
+                {"model.embed_tokens", "model.layers.0", "model.layers.1"},
+                {"model.layers.2", "model.layers.3", "model.norm", "lm_head"},
+            ],
+        ),
+    ],
+)
+def test_block_fragments_hold_whole_decoder_blocks(layout, want):
+    """Streaming DiLoCo's fragments (arXiv 2501.18512, Sec. 2) are groups of whole transformer blocks,
+    the embeddings with the first and the final norm and head with the last fragment."""
+    from diloco.diloco import fragment_pieces
+
+    model = _llama(4)
+    named = list(model.named_parameters())
+    pieces = fragment_pieces(named, 2, layout)
+    names = {id(p): n for n, p in named}
+    assert [{_module(names[id(p)]) for _, p in f} for f in pieces] == want
+    assert all(piece is p for f in pieces for piece, p in f)  # never a tensor cut in two
+    assert sorted(id(p) for f in pieces for _, p in f) == sorted(id(p) for _, p in named)
+
+
+def by_hand_blocks(fragment_of, tau: int, alpha: float, lr=0.7, mu=0.9) -> list[dict]:
+    """Every worker's final weights with whole tensors per fragment (`fragment_of(name)`), one
+    torch.optim.SGD(nesterov=True) per fragment over its tensors."""
+    base = _llama(4)
+    names = [n for n, _ in base.named_parameters()]
+    glob = {n: p.detach().clone() for n, p in base.named_parameters()}
+    frags = sorted({fragment_of(n) for n in names})
+    sgd = {
+        f: torch.optim.SGD([glob[n] for n in names if fragment_of(n) == f], lr=lr, momentum=mu, nesterov=True)
+        for f in frags
+    }
+    local = [{n: t.clone() for n, t in glob.items()} for _ in range(W)]
+    offsets = {(f + 1) * H // len(frags) % H: f for f in frags}
+
+    def apply(f, mean):
+        for n in names:
+            glob[n].grad = mean[n] if fragment_of(n) == f else None
+        sgd[f].step()
+        for w in range(W):
+            for n in names:
+                if fragment_of(n) == f:
+                    local[w][n] = alpha * local[w][n] + (1 - alpha) * glob[n] if alpha else glob[n].clone()
+
+    in_flight = []
+    for step in range(1, STEPS + 1):
+        for w in range(W):
+            for n, d in zip(names, block_moves(w, step)):
+                local[w][n] = local[w][n] - d
+        for job in [j for j in in_flight if j[0] == step]:
+            in_flight.remove(job)
+            apply(job[1], job[2])
+        f = offsets.get(step % H)
+        if f is not None:
+            mean = {n: sum(glob[n] - local[w][n] for w in range(W)) / W for n in names if fragment_of(n) == f}
+            if tau == 0:
+                apply(f, mean)
+            else:
+                in_flight.append((step + tau, f, mean))
+    return local
+
+
+def block_moves(worker: int, step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * worker + step)
+    return [torch.randn(shape, generator=gen) * 0.05 for shape in _shapes()]
+
+
+def _strided(name: str) -> int:
+    parts = name.split(".")
+    if parts[1:2] == ["layers"]:
+        return int(parts[2]) % 2
+    return 0 if "embed_tokens" in name else 1
+
+
+@pytest.mark.parametrize(("tau", "alpha"), [(0, 0.0), (1, 0.5)])
+def test_strided_fragments_follow_the_algorithm_by_hand(tau, alpha):
+    models = [_llama(4) for _ in range(W)]
+    _shapes()  # composed here: Hydra is not for threads
+
+    def worker(w, coll):
+        model = models[w]
+        algo, _ = diloco_for(model, coll, inner_steps=H, fragments=2, overlap_steps=tau, fragment_alpha=alpha)
+        for step in range(1, STEPS + 1):
+            with torch.no_grad():
+                for p, d in zip(model.parameters(), block_moves(w, step)):
+                    p.sub_(d)
+            algo.after_inner_step(step)
+        algo.close()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    ours, ref = run_threads(W, worker, timeout=60), by_hand_blocks(_strided, tau, alpha)
+    for a, b in zip(ours, ref):
+        for n in b:
+            torch.testing.assert_close(a[n], b[n], rtol=1e-5, atol=1e-6)
+
+
+def test_more_fragments_than_decoder_blocks_is_one_line():
+    from trainer_utils import compose_cfg
+
+    from diloco.config import ConfigError, validate
+
+    base = ["model=micro", "distributed=diloco", "distributed.inner_steps=4", "distributed.fragments=3"]
+    with pytest.raises(ConfigError, match="fragments=3 is more than the model's 2 decoder blocks"):
+        validate(compose_cfg(base))
+    validate(compose_cfg([*base, "distributed.fragment_layout=flat"]))  # the flat cut has no such limit
