@@ -16,7 +16,7 @@ FORCE ?= 0
 NODES_FILE ?= configs/local/nodes.txt
 export NODES_FILE
 
-.PHONY: help setup lock check-lock demo test soak-resume test-gpu lint clean tune-law tune-eager budget-law ladder-law ladder-controlled ladder-rounds replicate-tiny replicate-tiny-law replicate-tiny-hetero replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check
+.PHONY: help setup lock check-lock demo test soak-resume test-gpu lint clean tune-law tune-eager budget-law ladder-law ladder-controlled ladder-rounds stale-rounds replicate-tiny replicate-tiny-law replicate-tiny-hetero replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check
 
 help:  ## list what can be run
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-18s %s\n", $$1, $$2}'
@@ -122,6 +122,9 @@ ladder-controlled: setup  ## issue 42: 4x DDP (one process) vs DiLoCo at 33k, 13
 
 ladder-rounds: setup  ## issue 55: the controlled ladder at H = 10 / 30 / 90 x outer optimizer, DiLoCo vs 4x DDP at equal tokens, 3 report seeds that order the data (~4 h on 2 idle cores; RUNGS=name to run one batch) -> results/ladder-rounds
 	$(PY) scripts/ladder_rounds.py --runs $(RUNS)/ladder-rounds $(if $(RUNGS),--rungs $(RUNGS),)
+
+stale-rounds: setup  ## issue 55: the spec's outer step vs the paper's delayed Nesterov on uneven, stale DumbDiLoCo rounds (1-8 deltas) emulated in one process, against even rounds, 2 seeds (~25 min on 2 idle cores) -> results/stale-rounds
+	$(PY) scripts/stale_rounds.py
 
 tune-tiny: setup  ## fair tuning of the tiny family on the eval split's tuning half, 2 seeds (~40 min on 2 cores) -> results/tiny-tuning
 	$(PY) scripts/tune_tiny.py --runs $(RUNS)/tune

@@ -474,7 +474,8 @@ class SequenceStream:
         self._docs = None
 
     # -- documents --------------------------------------------------------------------------------
-    def _next_texts(self, n: int) -> list[str]:
+    def next_texts(self, n: int) -> list[str]:
+        """The next n documents' texts in the stream's order (fewer at the end of a non-wrapping stream)."""
         texts: list[str] = []
         while len(texts) < n:
             if self.shuffle is not None and (text := self.shuffle.next()) is not None:
@@ -548,7 +549,7 @@ class SequenceStream:
                 return None
             labels = ids.clone()
         else:
-            texts = self._next_texts(batch_size)
+            texts = self.next_texts(batch_size)
             if not texts:
                 return None
             ids = self._padded(texts)
@@ -579,7 +580,7 @@ class SequenceStream:
     def _packed(self, batch_size: int) -> torch.Tensor | None:
         need = batch_size * self.seq_len
         while len(self._buffer) < need:
-            texts = self._next_texts(batch_size)
+            texts = self.next_texts(batch_size)
             if not texts:
                 break
             for ids in self.tok(texts)["input_ids"]:

@@ -258,7 +258,7 @@ def test_bad_data_files_are_named(tmp_path, data_cfg, content, message):
 
 
 def _documents(stream: SequenceStream, n: int) -> list[str]:
-    return stream._next_texts(n)  # the documents themselves, before tokenising
+    return stream.next_texts(n)  # the documents themselves, before tokenising
 
 
 @pytest.mark.parametrize(("sharding", "num_shards"), [("iid", 1), ("iid", 2), ("iid", 3), ("noniid", 2)])
