@@ -234,7 +234,21 @@ def test_each_budget_is_its_own_full_schedule_with_the_familys_setting(budget):
 
 
 def test_c4_from_the_budget_sweep_needs_every_seed_to_close_the_gap():
-    points = [{"gap": [0.10, 0.12]}, {"gap": [0.08, 0.11]}]
-    assert budget_law.verdict(points) == "PASS"
-    assert budget_law.verdict([{"gap": [0.10, 0.12]}, {"gap": [0.08, 0.13]}]) == "UNCERTAIN"
-    assert budget_law.verdict([{"gap": [0.10, 0.12]}, {"gap": [0.11, 0.13]}]) == "FAIL"
+    def pts(*gaps):
+        return [{"budget": b, "gap": list(g)} for b, g in zip((0.5, 1.0, 2.0), gaps)]
+
+    assert budget_law.verdict(pts([0.10, 0.12], [0.2, 0.2], [0.08, 0.11])) == "PASS"
+    assert budget_law.verdict(pts([0.10, 0.12], [0.0, 0.0], [0.08, 0.13])).startswith("UNCERTAIN")
+    assert budget_law.verdict(pts([0.10, 0.12], [0.0, 0.0], [0.11, 0.13])) == "FAIL"
+
+
+def test_c4_is_judged_from_half_the_budget_and_the_quarter_is_only_reported():
+    """The committed record's gaps (issue 55): from 0.5x to 2x one seed closes and one does not, which the
+    rule calls UNCERTAIN; the 0.25x point (one unstable 4x-DDP seed) would have made it FAIL."""
+    record = json.loads((ROOT / "results" / "budget-law" / "summary.json").read_text())
+    assert budget_law.verdict(record["points"]).startswith("UNCERTAIN")
+    quarter = [
+        {"budget": 0.5, "gap": record["points"][0]["gap"]},
+        {"budget": 2.0, "gap": record["points"][-1]["gap"]},
+    ]
+    assert budget_law.verdict(quarter) == "FAIL"  # the old reading, from 0.25x
