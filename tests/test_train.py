@@ -185,7 +185,7 @@ def test_a_token_on_the_command_line_leaves_sys_argv_and_the_records(tmp_path, m
     planted = "hf_plantedSECRETtoken123"
     overrides = ["distributed=dumb_diloco", f"distributed.token={planted}"]
     monkeypatch.setattr(sys, "argv", ["diloco/train.py", *overrides])
-    resolved = record_config(compose_cfg(overrides), tmp_path, DistContext())
+    resolved = record_config(compose_cfg(overrides), tmp_path, DistContext(), "run")
     assert planted not in " ".join(sys.argv) and "distributed.token=<redacted>" in sys.argv
     assert resolved["distributed"]["token"] == "<redacted>"
     assert planted not in (tmp_path / "config.yaml").read_text()

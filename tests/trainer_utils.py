@@ -41,10 +41,12 @@ def train(tmp_path: Path, *overrides: str, name: str = "run", **seams) -> Path:
     build)."""
     from diloco.train import run
 
+    from diloco.config import run_dir_of
+
     cfg = compose_cfg([*SMALL, f"out_dir={tmp_path}", f"run_name={name}", *overrides])
     code = run(cfg, **seams)
     assert code == 0, f"trainer exited with {code}"
-    return Path(tmp_path) / name
+    return run_dir_of(cfg)  # a DumbDiLoCo node's folder carries its node id: <name>-<node_id>
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

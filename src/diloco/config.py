@@ -100,8 +100,24 @@ def config_groups() -> list[str]:
 
 
 def experiment_names() -> list[str]:
-    root = _configs_dir() / "experiment"
+    return group_options("experiment")
+
+
+def group_options(group: str) -> list[str]:
+    """The files of a config group as the command line names them (sub-folders included: 150m/ddp_1x)."""
+    root = _configs_dir() / group
     return sorted(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml"))
+
+
+def unknown_option_error(group: str, value: str) -> str | None:
+    """`model=2b` names no file of its group: one line with the nearest and every option; None if it does
+    (or names none: `experiment=null`)."""
+    options = group_options(group)
+    if value in ("", "null") or value in options:
+        return None
+    near = difflib.get_close_matches(value, options, n=1, cutoff=0.5)
+    hint = f" (did you mean {group}={near[0]}?)" if near else ""
+    return f"{group}={value}: no such {group}{hint}; the {group} options are: {', '.join(options)}"
 
 
 def help_choices() -> str:
@@ -143,6 +159,12 @@ def check_command_line(args: list[str]) -> str | None:
         return " ".join(str(e).split()).split(" See https://")[0]
     for o in parsed:
         key = o.key_or_group
+        if (
+            key in groups
+            and isinstance(value := o.value(), str)
+            and (error := unknown_option_error(key, value))
+        ):
+            return error  # Hydra's own answer lists only the group's top folder (`demo`), in 5 lines, exit 1
         if key == "hydra" or key.startswith(("hydra.", "hydra/")) or key in groups:
             continue
         keys = schema_keys()
@@ -520,8 +542,24 @@ def validate(cfg: DictConfig) -> schema.Config:
             )
     if d.mode == "dumb_diloco":
         _check_dumb_diloco_run(cfg)
+        c.run_name = node_run_name(c.run_name, d)
     c.distributed = d
     return c
+
+
+def node_run_name(run_name: str, d: Any) -> str:
+    """A DumbDiLoCo node's run folder carries its node id (<run_name>-<node_id>, as launch_node.sh names
+    it): two nodes on one machine never write one folder. Other modes, and role single, keep run_name."""
+    if getattr(d, "mode", None) != "dumb_diloco" or d.role == "single":
+        return run_name
+    if run_name == d.node_id or run_name.endswith(f"-{d.node_id}"):  # it carries the node id already
+        return run_name
+    return f"{run_name}-{d.node_id}"
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    """The run folder of a composed, unvalidated config (`out_dir`/the run name validate gives)."""
+    return Path(cfg.out_dir) / node_run_name(str(cfg.run_name), cfg.distributed)
 
 
 def _check_dumb_diloco_run(cfg: DictConfig) -> None:

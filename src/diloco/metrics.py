@@ -58,8 +58,10 @@ def nothing_left_on(errors: tuple[type[BaseException], ...], cfg) -> Iterator[No
     """On one of `errors`, remove the run directory (`out_dir/run_name`) if this process created it and
     it holds nothing but the set-up files: a run refused before it trained leaves nothing behind; a
     resumed or started run keeps everything. Rank 0 removes it; the other ranks leave it alone."""
+    from diloco.config import run_dir_of
+
     try:
-        run_dir = Path(cfg.out_dir) / cfg.run_name
+        run_dir = run_dir_of(cfg)
         existed = run_dir.exists()
     except Exception:  # a config that does not resolve: validation names it, there is no directory
         run_dir, existed = None, True

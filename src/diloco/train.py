@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm import tqdm
 
-from diloco import checkpoint, schema
+from diloco import checkpoint, preflight, schema
 from diloco.checkpoint import CheckpointError
 from diloco.comm import Collective, CommError
 from diloco.config import (
@@ -148,9 +148,10 @@ def run(
     tests: `collective` and `transport` go to build_strategy; `build` replaces it (same signature)."""
     # ----------------------------------------------------------------------------- set-up
     raw, cfg = cfg, validate(cfg)
+    run_dir = Path(cfg.out_dir) / cfg.run_name  # a DumbDiLoCo node's carries its node id (validate)
+    preflight.check(cfg, run_dir)  # the run folder is this run's; out_dir and a repository can be written
     ctx = init_distributed(cfg.distributed, cfg.device, cfg.launch.ranks_per_gpu)
     check_batch_split(cfg.train.batch_size, cfg.train.micro_batch_size, ctx.ranks_per_worker)
-    run_dir = Path(cfg.out_dir) / cfg.run_name
     setup_logging(run_dir, ctx)
     if notice := schedule_notice(cfg):
         log.warning(notice)
@@ -158,7 +159,7 @@ def run(
     device = ctx.device
     use_bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    resolved = record_config(raw, run_dir, ctx)
+    resolved = record_config(raw, run_dir, ctx, cfg.run_name)
     accum = cfg.train.batch_size // ctx.ranks_per_worker // cfg.train.micro_batch_size  # checked above
 
     # ----------------------------------------------------------------------------- data
@@ -495,9 +496,11 @@ def _ppl(loss: float) -> float:
     return math.exp(min(loss, 50))
 
 
-def record_config(cfg: DictConfig, run_dir: Path, ctx: DistContext) -> dict:
-    """The resolved config, token redacted (a credential is never written to records or W&B)."""
+def record_config(cfg: DictConfig, run_dir: Path, ctx: DistContext, run_name: str) -> dict:
+    """The resolved config, token redacted (a credential is never written to records or W&B), with the
+    run's own name (a DumbDiLoCo node's carries its node id)."""
     resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved["run_name"] = run_name
     if token := resolved["distributed"].get("token"):
         resolved["distributed"]["token"] = "<redacted>"
         # W&B records the program's arguments (sys.argv) in its run files: the token leaves them too
