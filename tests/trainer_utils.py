@@ -39,9 +39,8 @@ def compose_cfg(overrides: list[str]):
 def train(tmp_path: Path, *overrides: str, name: str = "run", **seams) -> Path:
     """diloco.train.run of the SMALL config with `overrides`; `seams` are run's (collective, transport,
     build)."""
-    from diloco.train import run
-
     from diloco.config import run_dir_of
+    from diloco.train import run
 
     cfg = compose_cfg([*SMALL, f"out_dir={tmp_path}", f"run_name={name}", *overrides])
     code = run(cfg, **seams)
