@@ -207,8 +207,17 @@ def test_a_relative_path_read_as_a_hub_id_says_so(tmp_path):
 def test_a_hub_repository_out_of_reach_is_one_line_at_once(tmp_path):
     """A worker given a Hub id with no Hub to reach retried for minutes; now one TCP connection decides
     (here a loopback port nothing listens on)."""
-    args = [*SMALL, "out_dir=out", "distributed=dumb_diloco", "distributed.role=worker", "distributed.node_id=n1"]
+    args = [
+        *SMALL,
+        "out_dir=out",
+        "distributed=dumb_diloco",
+        "distributed.role=worker",
+        "distributed.node_id=n1",
+    ]
     env = {"HF_TOKEN": "hf_NotARealTokenForThisTest0000", "HF_ENDPOINT": "http://127.0.0.1:9"}
     line = _one_line(_trainer(*args, "distributed.repo_id=my-org/my-run", cwd=tmp_path, env=env, timeout=60))
-    assert "distributed.repo_id=my-org/my-run is a Hugging Face Hub repository and 127.0.0.1:9 is unreachable" in line
+    assert (
+        "distributed.repo_id=my-org/my-run is a Hugging Face Hub repository and 127.0.0.1:9 is unreachable"
+        in line
+    )
     assert not (tmp_path / "out").exists()
