@@ -189,3 +189,48 @@ def test_a_token_on_the_command_line_leaves_sys_argv_and_the_records(tmp_path, m
     assert planted not in " ".join(sys.argv) and "distributed.token=<redacted>" in sys.argv
     assert resolved["distributed"]["token"] == "<redacted>"
     assert planted not in (tmp_path / "config.yaml").read_text()
+
+
+def test_records_parse_with_any_json_reader_nan_and_infinities_as_null_with_the_reason(tmp_path):
+    """Issue 52: an interrupted run's summary.json held `"final_eval_loss": NaN`, which is not JSON."""
+    import math
+
+    from diloco.metrics import RunLogger
+    from diloco.schema import WandbConfig
+
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in a record"))
+
+    logger = RunLogger(tmp_path, {}, WandbConfig(mode="disabled"), enabled=True, resume_step=None)
+    logger.log({"Loss": math.inf, "lr": 1e-3, "grad": -math.inf, "ppl": math.nan}, step=1)
+    logger.write_summary({"final_eval_loss": math.nan, "nested": {"x": [1.0, math.inf]}})
+    logger.close()
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert strict(line) == {
+        "step": 1,
+        "Loss": None,
+        "Loss_nonfinite": "inf",
+        "lr": 1e-3,
+        "grad": None,
+        "grad_nonfinite": "-inf",
+        "ppl": None,
+        "ppl_nonfinite": "nan",
+    }
+    summary = strict((tmp_path / "summary.json").read_text())
+    assert summary["final_eval_loss"] is None and summary["final_eval_loss_nonfinite"] == "nan"
+    assert summary["nested"] == {"x": [1.0, None]}
+
+
+def test_a_run_stopped_before_its_final_evaluation_says_why_its_loss_is_null(tmp_path):
+    from types import SimpleNamespace
+
+    from diloco.train import run_summary
+
+    cfg = SimpleNamespace(
+        run_name="r", seed=1, train=SimpleNamespace(batch_size=4), data=SimpleNamespace(seq_len=8)
+    )
+    strategy = SimpleNamespace(num_workers=1, summary=lambda: {})
+    ran = {"status": "interrupted", "step": 3, "eval_loss": float("nan"), "wall": 1.0, "inner": 0.5}
+    s = run_summary(cfg, SimpleNamespace(world_size=1, device="cpu"), strategy, ran, {}, "abc", {})
+    assert s["final_eval_loss"] is None and s["final_eval_perplexity"] is None
+    assert s["final_eval_loss_why"] == "no final evaluation (the run ended interrupted)"

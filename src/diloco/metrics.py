@@ -94,10 +94,26 @@ def wandb_mode(configured: str | None) -> str:
     return "offline"
 
 
-def _finite(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return None if math.isnan(v) else (1e308 if v > 0 else -1e308)
-    return v
+def finite_json(obj):
+    """`obj` with every NaN or infinite float as null and, in a dict, the reason beside it
+    (`<key>_nonfinite`: "nan", "inf" or "-inf"), so any JSON reader parses the record (json.dumps would
+    write the non-standard NaN and Infinity)."""
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                out[k], out[f"{k}_nonfinite"] = None, "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+            else:
+                out[k] = finite_json(v)
+        return out
+    if isinstance(obj, list | tuple):
+        return [None if isinstance(v, float) and not math.isfinite(v) else finite_json(v) for v in obj]
+    return obj
+
+
+def dumps(record, **kwargs) -> str:
+    """json.dumps of `finite_json(record)`; refuses (ValueError) a non-finite value it did not replace."""
+    return json.dumps(finite_json(record), allow_nan=False, **kwargs)
 
 
 class RunLogger:
@@ -186,8 +202,7 @@ class RunLogger:
     def log(self, metrics: dict, step: int) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
-        self._fh.write(json.dumps(record) + "\n")
+        self._fh.write(dumps({"step": step, **metrics}) + "\n")
         if self._wandb is not None:
             try:
                 self._wandb.log(metrics, step=step)
@@ -198,7 +213,7 @@ class RunLogger:
     def write_summary(self, summary: dict) -> None:
         if not self.enabled:
             return
-        write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2, default=str) + "\n")
+        write_atomic(self.run_dir / "summary.json", dumps(summary, indent=2, default=str) + "\n")
         if self._wandb is not None:
             try:
                 flat = {k: v for k, v in summary.items() if isinstance(v, int | float | str)}

@@ -401,6 +401,23 @@ def measure(claim: dict, a: Run, b: Run, reference: dict | None = None) -> Measu
     return Measure(bars[kind], measured, rel, abs(rel) <= tol if kind == "ratio_within" else rel < tol, "%")
 
 
+def bar_words(claim: dict) -> str:
+    """A claim's bar in words before its runs exist (a judged row says it with the runs' numbers)."""
+    tol, a, b = claim.get("tolerance", 0.0), claim.get("a", "a"), claim.get("b", "b")
+    words = {
+        "ratio_within": f"{a}'s perplexity within {tol:.0%} of {b}'s",
+        "less_than": f"{a}'s perplexity / {b}'s - 1 below {tol:+.0%}",
+        "abs_within": f"{a}'s perplexity within {tol} of {b}'s",
+        "bytes_ratio": f"{b} sends {claim.get('factor')} times {a}'s bytes per inner step (within {tol:.0%})",
+        "gap_closes": f"{a}'s perplexity gap to {b} positive early and smaller at the end",
+        "loss_gap_law": f"{a}'s loss gap to {b} inside the scaling law's 95% band",
+        "loss_gap_sign": f"{a}'s loss gap to {b} above 0 on every seed",
+        "loss_gap_bound": f"{a}'s loss gap to {b} at most the scaling law's upper 95% bound",
+        "loss_gap_centre": f"{a}'s loss gap to {b} beside the scaling law's centre (reported)",
+    }
+    return words.get(claim["kind"], claim["claim"])
+
+
 def check_claim(claim: dict, seeds: list[dict[str, Run]], reference: dict | None = None) -> Verdict:
     """A claim judged on every seed's runs (one dict of runs by reference key per seed). Kind
     `not_tested` names a claim this family cannot test and why; `judged: false` (and every
@@ -411,7 +428,7 @@ def check_claim(claim: dict, seeds: list[dict[str, Run]], reference: dict | None
     missing = sorted({k for runs in seeds for k in refs if runs.get(k) is None or not runs[k].finished})
     if missing:
         waiting = f"waiting for {', '.join(missing)}"
-        return Verdict(claim["id"], claim["claim"], claim["kind"], waiting, "-", "PENDING")
+        return Verdict(claim["id"], claim["claim"], bar_words(claim), waiting, "-", "PENDING")
     measures = [measure(claim, runs[claim["a"]], runs[claim["b"]], reference) for runs in seeds]
     reported = claim["kind"] == "loss_gap_centre" or not claim.get("judged", True)
     return judge(claim["id"], claim["claim"], measures, reported)

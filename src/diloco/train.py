@@ -475,7 +475,12 @@ def run_summary(
         "status": ran["status"],
         "step": step,
         "config_choices": _config_choices(),
-        "final_eval_loss": loss,
+        "final_eval_loss": None if math.isnan(loss) else loss,
+        **(
+            {"final_eval_loss_why": f"no final evaluation (the run ended {ran['status']})"}
+            if math.isnan(loss)
+            else {}
+        ),
         "final_eval_perplexity": None if math.isnan(loss) else _ppl(loss),
         "tokens_seen": step * cfg.train.batch_size * cfg.data.seq_len * strategy.num_workers,
         "wall_seconds": wall,

@@ -511,3 +511,19 @@ def test_load_runs_reads_both_run_folders_and_records(tmp_path, monkeypatch):
     a = {r.reference: r.evals() for r in load_runs(runs)}
     b = {r.reference: r.evals() for r in load_runs(tmp_path / "rec")}
     assert a == b
+
+
+def test_check_of_a_lone_run_fails_and_its_pending_rows_say_their_bars_in_words(tmp_path, capsys):
+    """Issue 52: one finished run of a family judges nothing (every claim waits for its other run): exit
+    1, as the README says; the pending rows' "expected" column is the claim's bar in words, not a kind."""
+    record = json.loads((ROOT / "results" / "tiny-2026-12-02" / "s1337" / "summaries.json").read_text())
+    lone = record["diloco_fp32"]
+    run = tmp_path / "tiny-diloco-fp32"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps(lone))
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lone.get("curve", [])))
+    assert check_script.main(["--runs", str(tmp_path), "--family", "tiny"]) == 1
+    out, err = capsys.readouterr()
+    assert "nothing to judge" in err
+    rows = [line.split(" | ") for line in out.splitlines() if "PENDING" in line]
+    assert rows and all(not re.fullmatch(r"[a-z_]+", r[2].strip()) for r in rows), rows  # no internal names

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from diloco.files import write_atomic
-from diloco.metrics import git_commit
+from diloco.metrics import dumps, git_commit
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: records are written from a clone, not a wheel
 GB = 1e9
@@ -120,9 +120,10 @@ def tuning_regime(rows: list[dict], unique: int, detail: str = "") -> str:
 
 
 def write_json(path: Path, record: dict, default=None) -> None:
-    """`record` as indented JSON at `path`, atomically (its folder is made)."""
+    """`record` as indented JSON at `path`, atomically (its folder is made); NaN and infinities as null
+    with the reason beside (metrics.finite_json), so any JSON reader parses it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(record, indent=1, default=default) + "\n")
+    write_atomic(path, dumps(record, indent=1, default=default) + "\n")
 
 
 def write_text(path: Path, text: str) -> None:

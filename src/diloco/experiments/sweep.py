@@ -25,6 +25,10 @@ from diloco.experiments.run import run_local
 Setting = tuple[str, list[str]]  # (name, overrides)
 Grid = Mapping[str, list[Setting]]  # experiment -> its settings
 FINAL_KEYS = ("final_eval_perplexity", "final_eval_loss", "tokens_seen", "wall_seconds", "git_commit")
+NAN_KEYS = (
+    "final_eval_perplexity",
+    "final_eval_loss",
+)  # a summary's null there is a NaN (metrics.finite_json)
 
 
 def read_final(path: Path, steps: int | None, keys=FINAL_KEYS) -> dict | None:
@@ -32,7 +36,7 @@ def read_final(path: Path, steps: int | None, keys=FINAL_KEYS) -> dict | None:
     if not path.exists():
         return None
     s = records.clean_summary(path, steps)
-    return {k: s[k] for k in keys}
+    return {k: math.nan if s[k] is None and k in NAN_KEYS else s[k] for k in keys}  # null: not finite
 
 
 def past_the_edge(best: float, grid: list[float]) -> float | None:
@@ -106,7 +110,7 @@ class Sweep:
                     continue
                 folder.mkdir(parents=True, exist_ok=True)
                 kept = {**run, "step": self.steps, "status": "completed", "restored_from": str(record)}
-                (folder / "summary.json").write_text(json.dumps(kept, indent=1) + "\n")
+                records.write_json(folder / "summary.json", kept)
                 written += 1
         return written
 

@@ -21,7 +21,6 @@ must be of a clean commit (a dirty one is refused); the record names every run's
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import re
 from datetime import datetime, timezone
@@ -201,7 +200,7 @@ def main() -> None:
         record["heterogeneous_mean"] = seed_mean(record["heterogeneous"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+    records.write_json(out / "summary.json", record)
     lines = horizon_lines(rows)
     commits = sorted({r["git_commit"][:10] for h in rows.values() for rs in h["runs"].values() for r in rs})
     for h in record.get("heterogeneous", []):

@@ -288,7 +288,7 @@ def main() -> None:
             )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+    records.write_json(out / "summary.json", record)
     (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     runs = [r for row in rows.values() for r in row["runs"]]

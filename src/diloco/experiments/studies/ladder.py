@@ -20,7 +20,6 @@ methods' final held-out perplexity per seed, and the relative gap DiLoCo / DDP -
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from diloco.experiments import records, sweep
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "epochs": rungs[0]["tokens_seen"] / unique,
         "rungs": rungs,
     }
-    (args.out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+    records.write_json(args.out / "summary.json", record)
     subset = compose_experiment(METHODS["ddp"], overrides(args.sizes[0], 0, extra["ddp"])).data.eval_subset
     regime = (
         f"Data regime: packing, {unique:,} unique training tokens, {rungs[0]['tokens_seen']:,} tokens "

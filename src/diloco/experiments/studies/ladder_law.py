@@ -28,7 +28,6 @@ config is the ladder's setting (the same lr, the study's outer optimizer); other
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
@@ -291,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "trend": trend(rungs, law),
     }
     text = table(rungs) + trend_line(record["trend"])
-    (args.out / "summary.json").write_text(json.dumps(record, indent=1) + "\n")
+    records.write_json(args.out / "summary.json", record)
     (args.out / "table.md").write_text(text)
     plot(rungs, law, reference, args.out / "ladder.png")
     print(text)
