@@ -59,14 +59,14 @@ lock:  ## regenerate requirements/lock.txt in a fresh venv from pyproject.toml (
 check-lock: setup  ## fail unless .venv holds exactly the packages and versions of requirements/lock.txt
 	$(PY) scripts/check_lock.py --python $(PY) $(LOCK)
 
-demo: setup  ## train the micro model on the bundled sample (a few minutes on 2 CPU cores)
+demo: setup  ## train the micro model on the bundled sample (about 2 minutes on 2 CPU cores)
 	WANDB_MODE=$${WANDB_MODE:-offline} $(PY) -m diloco.train experiment=demo
 
 lint: setup  ## ruff
 	$(PY) -m ruff check src tests scripts
 	$(PY) -m ruff format --check src tests scripts
 
-test: setup lint  ## lint + the whole test suite (about 15 minutes on 2 idle cores with set-up; GPU tests skip without CUDA)
+test: setup lint  ## lint + the whole test suite (about 21 minutes on 2 idle cores with set-up; GPU tests skip without CUDA)
 	$(PY) -m pytest -q
 
 soak-resume: setup  ## the kill-at-many-points resume test 20 times in a row (N=20; ~2 min each on 2 idle cores) -> results/soak/kill-resume.txt
@@ -102,7 +102,7 @@ replicate-gpu: setup  ## the paper's comparison at 14M on this machine's one GPU
 	$(PY) scripts/report.py --family gpu --runs $(RUNS) --out $(GPU_OUT) $(if $(filter 1,$(FORCE)),--force,)
 	$(PY) scripts/check.py --family gpu --runs $(RUNS)$(if $(filter 1,$(SMOKE)), || echo "smoke run: verdicts at tiny size",)
 
-ladder: setup  ## model-size ladder: 4x DDP vs DiLoCo at 0.7M, 2.2M, 3.7M params, 2 seeds, fresh data (~65 min on 2 cores) -> results/ladder
+ladder: setup  ## model-size ladder: 4x DDP vs DiLoCo at 0.7M, 2.2M, 3.7M params, 2 seeds, fresh data (~40 min on 2 idle cores) -> results/ladder
 	$(PY) scripts/ladder.py --runs $(RUNS)/ladder
 
 tune-law: setup  ## issue 33: each method's inner lr, then DiLoCo's outer optimizer, in the scaling-law regime (262k params, 52 rounds at H=30, ~12 tokens/param), 2 seeds on the tune half (~80 min on 2 idle cores) -> results/tiny-law-tuning
@@ -126,7 +126,7 @@ ladder-rounds: setup  ## issue 55: the controlled ladder at H = 10 / 30 / 90 x o
 stale-rounds: setup  ## issue 55: the spec's outer step vs the paper's delayed Nesterov on uneven, stale DumbDiLoCo rounds (1-8 deltas) emulated in one process, against even rounds, 2 seeds (~25 min on 2 idle cores) -> results/stale-rounds
 	$(PY) scripts/stale_rounds.py
 
-tune-tiny: setup  ## fair tuning of the tiny family on the eval split's tuning half, 2 seeds (~40 min on 2 cores) -> results/tiny-tuning
+tune-tiny: setup  ## fair tuning of the tiny family on the eval split's tuning half, 2 seeds (~50 min on 2 cores) -> results/tiny-tuning
 	$(PY) scripts/tune_tiny.py --runs $(RUNS)/tune
 
 replicate-150m: setup  ## all 150M runs of the paper, in order, on the GPU nodes in NODES_FILE (DRY_RUN=1: plan + 2 CPU steps each)

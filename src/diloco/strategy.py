@@ -47,6 +47,7 @@ class RunShape:
     shard: int | None  # data.shard: this node's data shard (None: not set)
     num_shards: int | None  # data.num_shards
     nodes: int  # launch.nodes
+    tokenizer: str | None = None  # data.tokenizer: what a published model is read with
 
     @classmethod
     def of(cls, cfg: Config) -> RunShape:
@@ -57,6 +58,7 @@ class RunShape:
             shard=cfg.data.shard,
             num_shards=cfg.data.num_shards,
             nodes=cfg.launch.nodes,
+            tokenizer=cfg.data.tokenizer,
         )
 
 

@@ -210,6 +210,14 @@ def test_lone_master_trains_publishes_and_records(tmp_path):
     tensors, _ = decode(transport.read(GLOBAL_WEIGHTS_PATH), max_bytes=2**26)
     loaded = LlamaForCausalLM.from_pretrained(repo).state_dict()  # config.json + index beside the layout
     assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    # and the run's tokenizer beside it (issue 52): the published model reads text as the run did
+    from transformers import AutoTokenizer
+
+    from diloco.data import load_tokenizer
+
+    text = "Every published global is read with the tokenizer it was trained with."
+    run_tok = load_tokenizer(compose_cfg(["data=sample"]).data.tokenizer)
+    assert AutoTokenizer.from_pretrained(repo)(text)["input_ids"] == run_tok(text)["input_ids"]
     # the token: warned about, never written
     log_text = (run_dir / "train.log").read_text()
     assert "HF_TOKEN" in log_text

@@ -514,3 +514,15 @@ def test_one_copy_encode_refuses_what_safetensors_refuses():
     sparse = torch.eye(3).to_sparse()
     with pytest.raises((ValueError, RuntimeError)):
         encode({"a": sparse}, {})
+
+
+def test_decoding_a_downloaded_file_warns_nothing():
+    """A file read from the store is immutable bytes; viewing it in place made torch print its "buffer is
+    not writable" warning at every worker start (issue 52). The views stay views (no copy)."""
+    import warnings
+
+    blob = bytes(encode({"w": torch.arange(6.0).view(2, 3), "b": torch.ones(2)}, {"kind": "t"}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tensors, _ = decode(blob, max_bytes=len(blob))
+    assert torch.equal(tensors["w"], torch.arange(6.0).view(2, 3))

@@ -44,6 +44,7 @@ from diloco.strategy import RunShape
 from ..master.loop import OuterLoop
 from ..master.role import MasterRole
 from ..settings import DumbDiLoCoError, Settings
+from ..store.base import TransportError
 from ..store.budget import PaceCheck
 from ..store.transport import HubTransport, Transport, deadline
 from ..wire.delta_codec import DeltaCodec
@@ -69,6 +70,18 @@ class StepResult:
     metrics: dict[str, float] | None = None
 
 
+def saved_tokenizer(name_or_path: str) -> dict[str, bytes]:
+    """The files `save_pretrained` writes for the run's tokenizer (tokenizer.json, its config, the special
+    tokens map), by name: what the master publishes beside config.json."""
+    import tempfile
+
+    from diloco.data import load_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        load_tokenizer(name_or_path).save_pretrained(tmp)
+        return {p.name: p.read_bytes() for p in sorted(Path(tmp).iterdir()) if p.is_file()}
+
+
 class DumbDiLoCo:
     """The trainer's strategy: one node of a DumbDiLoCo run (see the module docstring)."""
 
@@ -85,6 +98,7 @@ class DumbDiLoCo:
         tokens_per_step: int = 0,
         samples_per_step: int = 0,
         hf_config: dict | None = None,
+        tokenizer_files: dict[str, bytes] | None = None,  # master: published beside config.json
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         manual_rounds: bool = False,  # master: no outer-loop thread; the caller drives outer.run_once()
@@ -98,6 +112,7 @@ class DumbDiLoCo:
         self.num_workers = num_workers
         self.tokens_per_step, self.samples_per_step = tokens_per_step, samples_per_step
         self.hf_config = hf_config if settings.publish_hf_config else None
+        self.tokenizer_files = tokenizer_files if settings.publish_hf_config and settings.is_master else None
         self.clock, self.sleep = clock, sleep
         self.global_progress = GlobalProgress(settings.node_id, num_workers, settings.budget == "global")
         state = model.state_dict()
@@ -194,6 +209,9 @@ class DumbDiLoCo:
                 "data.num_shards=n`"
             )
         hf_config = json.loads(model.config.to_json_string()) if hasattr(model, "config") else None
+        tokenizer_files = None
+        if settings.is_master and settings.publish_hf_config and shape.tokenizer and ctx.is_main:
+            tokenizer_files = saved_tokenizer(shape.tokenizer)
         batch = shape.batch_size  # the node's, split among its ranks
         workers = shape.num_shards or 1
         if settings.budget == "global":  # the budget's node count, checked by diloco.config.validate
@@ -206,6 +224,7 @@ class DumbDiLoCo:
                 optimizer=optimizer,
                 num_workers=workers,
                 hf_config=hf_config,
+                tokenizer_files=tokenizer_files,
                 tokens_per_step=batch * shape.seq_len,
                 samples_per_step=batch,
                 wrap_transport=transport,
@@ -437,6 +456,7 @@ class DumbDiLoCo:
             self.connect()
             if self.master is not None:
                 self.master.start(self.model.state_dict())  # stages its global
+                self._publish_tokenizer()
             else:
                 newer = self._safe_fetch()
                 if newer is not None:
@@ -459,6 +479,19 @@ class DumbDiLoCo:
             f"node {s.node_id} ({s.role}, {upload} upload, {poll} poll): starting from global outer step "
             f"{self.installer.outer_step}, a delta every {s.inner_steps} steps"
         )
+
+    def _publish_tokenizer(self) -> None:
+        """The run's tokenizer beside config.json, so AutoTokenizer.from_pretrained(repo) loads what
+        AutoModelForCausalLM does; one write, skipped when the repository holds these bytes already."""
+        files, transport = self.tokenizer_files, self.joiner.transport
+        if not files:
+            return
+        try:
+            if all(transport.read(path, max_bytes=len(data)) == data for path, data in files.items()):
+                return
+        except TransportError:  # absent (RemoteNotFound), larger, or unreadable: write them
+            pass
+        transport.write(files, message=f"{self.s.node_id}: the run's tokenizer")
 
     def _start_lanes(self) -> None:
         s = self.s

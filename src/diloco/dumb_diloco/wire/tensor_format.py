@@ -16,6 +16,7 @@ import math
 import re
 import struct
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
@@ -482,7 +483,7 @@ def decode(
     # it, checked in one pass (tensor by tensor, to name the bad one, only if that finds NaN or Inf)
     f32 = views and sys.byteorder == "little" and header.payload_size > 0
     f32 = f32 and {i.dtype for i in header.tensors.values()} == {"F32"}
-    whole = torch.frombuffer(blob, dtype=torch.float32, offset=header.payload_offset) if f32 else None
+    whole = _frombuffer(blob, dtype=torch.float32, offset=header.payload_offset) if f32 else None
     try:
         tensors = (
             _views(blob, header, whole) if views and sys.byteorder == "little" else _st_load(bytes(blob))
@@ -494,6 +495,20 @@ def decode(
             if (t.is_floating_point() or t.is_complex()) and not _all_finite(t):
                 raise InvalidTensorFile(f"tensor {name!r} holds NaN or Inf")
     return tensors, meta
+
+
+def _frombuffer(blob, **kwargs) -> torch.Tensor:
+    """torch.frombuffer over the file's bytes without copying them. A downloaded file is immutable
+    `bytes`, so torch warns that the buffer is not writable: the views are read-only by decode's contract
+    (every reader copies or sums out of them; nothing writes into a file's bytes) and torch has no
+    read-only tensor to say so, so that one warning is not shown."""
+    if isinstance(blob, bytes | memoryview) and getattr(blob, "readonly", True):
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message="The given buffer is not writable", category=UserWarning
+            )
+            return torch.frombuffer(blob, **kwargs)
+    return torch.frombuffer(blob, **kwargs)
 
 
 def _views(blob: bytes, header: SafetensorsHeader, whole: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -511,7 +526,7 @@ def _views(blob: bytes, header: SafetensorsHeader, whole: torch.Tensor | None) -
             continue
         offset, count = header.payload_offset + begin, (end - begin) // dtype.itemsize
         # torch warns once per process that bytes are read-only, as it does under safetensors.torch.load
-        out[name] = torch.frombuffer(blob, dtype=dtype, count=count, offset=offset).view(info.shape)
+        out[name] = _frombuffer(blob, dtype=dtype, count=count, offset=offset).view(info.shape)
     return out
 
 
