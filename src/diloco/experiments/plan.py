@@ -11,6 +11,7 @@ over the Hub's limit is refused.
 
 from __future__ import annotations
 
+import functools
 import shlex
 from pathlib import Path
 
@@ -99,16 +100,23 @@ def num_parameters(model_cfg) -> int:
 
 def unique_train_tokens(data_cfg) -> int:
     """Training tokens the data can give once (local data files only): every token of every document with
-    its separator when packing, else each document's first seq_len (the rest is never read)."""
+    its separator when packing, else each document's first seq_len (the rest is never read). Counted once
+    per process for each (files, tokenizer, packing, seq_len): the model never enters it."""
+    cap = None if data_cfg.packing else int(data_cfg.seq_len)
+    return _unique_train_tokens(str(data_cfg.data_files[data_cfg.train_split]), str(data_cfg.tokenizer), cap)
+
+
+@functools.cache
+def _unique_train_tokens(files: str, tokenizer: str, cap: int | None) -> int:
     import glob
     import gzip
     import json
 
     from diloco.data import load_tokenizer
 
-    tok, cap = load_tokenizer(data_cfg.tokenizer), None if data_cfg.packing else int(data_cfg.seq_len)
+    tok = load_tokenizer(tokenizer)
     total = 0
-    for path in sorted(glob.glob(str(data_cfg.data_files[data_cfg.train_split]))):
+    for path in sorted(glob.glob(files)):
         with gzip.open(path, "rt", encoding="utf-8") as f:
             texts = [json.loads(line)["text"] for line in f]
         lengths = [len(ids) for ids in tok(texts).input_ids]  # as the stream encodes them (data.py)

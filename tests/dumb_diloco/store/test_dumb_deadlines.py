@@ -57,8 +57,29 @@ CALLS = {
 }
 
 
+@pytest.fixture
+def client_sleeps(monkeypatch) -> list[float]:
+    """huggingface_hub retries some requests itself (http_backoff: a 5xx is retried 5 times after 1, 2, 4, 8
+    and 8 s) with time.sleep: here those waits are recorded, not slept (they took 69 s of a test each).
+    What the tests check, HubTransport's own retries and deadline, runs on VirtualTime as before."""
+    import huggingface_hub.utils._http as http
+
+    slept: list[float] = []
+
+    class ClientTime:
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            slept.append(seconds)
+
+    monkeypatch.setattr(http, "time", ClientTime())
+    return slept
+
+
 @pytest.mark.parametrize("what", CALLS)
-def test_retries_stop_before_the_deadline(hub_server, what):
+def test_retries_stop_before_the_deadline(hub_server, client_sleeps, what):
     t = VirtualTime()
     hub_server.fail_next(ALWAYS, status=503)
     with deadline(t.now + 5.0, "start-up"), pytest.raises(TransientError) as info:
