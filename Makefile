@@ -16,7 +16,7 @@ FORCE ?= 0
 NODES_FILE ?= configs/local/nodes.txt
 export NODES_FILE
 
-.PHONY: help setup lock check-lock demo test soak-resume test-gpu lint clean tune-law tune-eager budget-law ladder-law ladder-controlled ladder-rounds stale-rounds replicate-tiny replicate-tiny-law replicate-tiny-hetero replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check
+.PHONY: help setup lock check-lock demo test test-quick soak-resume test-gpu lint clean tune-law tune-eager budget-law ladder-law ladder-controlled ladder-rounds stale-rounds replicate-tiny replicate-tiny-law replicate-tiny-hetero replicate-gpu ladder tune-tiny replicate-150m replicate-1b ablation-fp16 report check
 
 help:  ## list what can be run
 	@grep -E '^[a-zA-Z0-9_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  make %-18s %s\n", $$1, $$2}'
@@ -66,8 +66,15 @@ lint: setup  ## ruff
 	$(PY) -m ruff check src tests scripts
 	$(PY) -m ruff format --check src tests scripts
 
+# The suite on TEST_WORKERS pytest-xdist processes, a test file to a worker (its module fixtures are built
+# once), then the tests bounded in seconds (`alone`) one at a time with the machine to themselves (issue 54).
+TEST_WORKERS ?= auto
 test: setup lint  ## lint + the whole test suite (about 21 minutes on 2 idle cores with set-up; GPU tests skip without CUDA)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone"
+	$(PY) -m pytest -q -m alone
+
+test-quick: setup  ## the unit and equivalence tests, no end-to-end or multi-process ones (about 2 minutes on 2 cores)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not alone"
 
 soak-resume: setup  ## the kill-at-many-points resume test 20 times in a row (N=20; ~2 min each on 2 idle cores) -> results/soak/kill-resume.txt
 	scripts/soak_resume.sh $(or $(N),20)

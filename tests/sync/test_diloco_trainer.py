@@ -70,6 +70,7 @@ def test_two_worker_run_measures_bytes_and_resumes_bit_for_bit(tmp_path):
     assert resumed["comm/total_bytes"] == summary["comm/total_bytes"]
 
 
+@pytest.mark.alone  # a bound in seconds: run with the machine to itself (issue 54)
 def test_killed_rank_makes_the_other_fail_with_a_readable_error(tmp_path):
     # A dead peer's closed connection fails rank 0's next collective at once; only a rank that waited
     # for the collective timeout instead would take this long, however loaded the machine.

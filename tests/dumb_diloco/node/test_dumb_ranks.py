@@ -257,6 +257,7 @@ def _rank_pid(agent_pid: int, local_rank: int) -> int | None:
     return None
 
 
+@pytest.mark.alone  # a bound in seconds: run with the machine to itself (issue 54)
 @pytest.mark.slow
 def test_killing_one_rank_stops_the_node_and_a_restart_resumes_exactly(tmp_path):
     """A worker node of 2 ranks training alone on a repository that holds its starting global (no master:

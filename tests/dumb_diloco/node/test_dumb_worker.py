@@ -524,6 +524,7 @@ def test_a_closed_coordinator_cannot_be_started_again(tmp_path):
         coord.start()
 
 
+@pytest.mark.alone  # a bound in seconds: run with the machine to itself (issue 54)
 def test_bounded_shutdown_reports_the_delta_it_could_not_upload(tmp_path, caplog):
     import threading
 

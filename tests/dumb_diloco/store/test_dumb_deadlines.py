@@ -172,6 +172,7 @@ STARTUP_TIMEOUT, REQUEST_TIMEOUT = 3, 5
 BOUND = STARTUP_TIMEOUT + REQUEST_TIMEOUT + 15  # s, from the node's first request to its exit
 
 
+@pytest.mark.alone  # a bound in seconds: run with the machine to itself (issue 54)
 @pytest.mark.slow
 @pytest.mark.parametrize("role", ["worker", "master"])
 def test_a_node_that_cannot_reach_the_hub_fails_within_startup_timeout(tmp_path, role):
