@@ -287,14 +287,19 @@ class Averager:
         self.scaled = self.wire == torch.float16 and fp16_scaling
         self.cast = CastStats()
 
-    def encode(self, flat: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """FP32 [n] -> (wire tensor [n], per-tensor scales agreed by all members, or None)."""
+    def encode(
+        self, flat: torch.Tensor, sizes: list[int], absmax: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """FP32 [n] -> (wire tensor [n], per-tensor scales agreed by all members, or None). `absmax`: each
+        tensor's largest magnitude where this rank holds only a shard of it (the worker's, already agreed
+        among its ranks), so the scale is the whole tensor's, as with unsharded workers."""
         if self.wire == torch.float32:
             return flat.clone(), None
         x, scales = flat, None
         if self.scaled:
             pieces = flat.split(sizes)
-            absmax = torch.stack([torch.linalg.vector_norm(t, ord=float("inf")) for t in pieces]).float()
+            if absmax is None:
+                absmax = torch.stack([torch.linalg.vector_norm(t, ord=float("inf")) for t in pieces]).float()
             self.coll.all_reduce_(absmax, op="max", tag="fp16_scales")
             scales = list(power_of_two_scales(absmax, self.coll.size, self.wire).unbind())
             x = flat.clone()
@@ -329,13 +334,16 @@ class Averager:
         c.underflow, c.overflow = c.underflow + int(vals[2]), c.overflow + int(vals[3])
         c.numel += flat.numel()
 
-    def average_(self, flat: torch.Tensor, sizes: list[int], key: int = 0) -> torch.Tensor:
+    def average_(
+        self, flat: torch.Tensor, sizes: list[int], key: int = 0, absmax: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """flat (FP32 [n], tensors of `sizes` elements end to end) <- its mean over all members.
-        `key` names the bucket (quant.QuantizedAverager keeps a residual per bucket; nothing here)."""
+        `key` names the bucket (quant.QuantizedAverager keeps a residual per bucket; nothing here);
+        `absmax`: the tensors' magnitudes across a sharded worker (encode)."""
         if self.wire == torch.float32:  # nothing to encode: reduce in place
             self.coll.all_reduce_(flat, op="sum", tag="pseudo_grad_float32")
             return flat.div_(self.coll.size)
-        wire, scales = self.encode(flat, sizes)
+        wire, scales = self.encode(flat, sizes, absmax)
         self.coll.all_reduce_(wire, op="sum", tag=f"pseudo_grad_{self.dtype}")
         self.decode_(flat, wire, sizes, scales)
         return flat.div_(self.coll.size)

@@ -31,7 +31,8 @@ from diloco.errors import ConfigError
 WIRE_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4", "topk2")
 ERROR_FEEDBACK_DTYPES = ("int8", "int4", "topk2")
 GLOBAL_COPY_DEVICES = ("cpu", "device")
-FRAGMENT_LAYOUTS = ("strided", "sequential", "flat")  # Streaming DiLoCo's fragments (diloco.fragment_pieces)
+FRAGMENT_LAYOUTS = ("strided", "sequential", "flat")
+WORKER_PARALLEL = ("ddp", "fsdp")  # how a worker's ranks share its model (distributed.worker_parallel)  # Streaming DiLoCo's fragments (diloco.fragment_pieces)
 DUMB_DILOCO_ROLES = ("master", "worker", "single")
 
 
@@ -335,6 +336,7 @@ def check_distributed(block: Any) -> Any:
             raise ConfigError(f"distributed: {str(e).splitlines()[0]}") from None
     d = typed(block, schema.DISTRIBUTED_SCHEMAS[mode], "distributed.")
     if mode in ("ddp", "diloco"):
+        _one_of("distributed.worker_parallel", d.worker_parallel, WORKER_PARALLEL)
         _number("distributed.timeout_seconds", d.timeout_seconds, 0)
         if d.ddp_bucket_cap_mb is not None:
             _number("distributed.ddp_bucket_cap_mb", d.ddp_bucket_cap_mb, 0)
@@ -352,6 +354,11 @@ def check_distributed(block: Any) -> Any:
         _number("distributed.overlap_steps", d.overlap_steps, 0, strict=False, integer=True, hi=tau_max)
         _number("distributed.fragment_alpha", d.fragment_alpha, 0, strict=False, hi=1)
         _one_of("distributed.fragment_layout", d.fragment_layout, FRAGMENT_LAYOUTS)
+        if d.worker_parallel == "fsdp" and d.fragments > 1 and d.fragment_layout == "flat":
+            raise ConfigError(
+                "distributed.fragment_layout=flat cuts tensors across fragments, which FSDP's shards do not "
+                "follow: with worker_parallel=fsdp use fragment_layout=strided or sequential"
+            )
         if d.eager_updates and d.overlap_steps != d.inner_steps:
             raise ConfigError(
                 "distributed.eager_updates overlaps the whole inner phase: it needs overlap_steps = "

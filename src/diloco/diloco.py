@@ -57,7 +57,7 @@ import torch
 
 from diloco import comm, quant, sparse
 from diloco.checkpoint import CheckpointError
-from diloco.distributed import DataParallel
+from diloco.distributed import DataParallel, FullyShardedData, local
 from diloco.outer import OuterOptimizer
 from diloco.schema import DiLoCoConfig
 
@@ -96,7 +96,7 @@ def fragment_pieces(named: list[tuple[str, torch.Tensor]], fragments: int, layou
     seen_block = False
     for p, b in zip(params, blocks, strict=True):
         seen_block = seen_block or b is not None
-        pieces[_fragment_of(b, seen_block, layers, fragments, layout)].append((p, p))
+        pieces[_fragment_of(b, seen_block, layers, fragments, layout)].append((local(p), p))
     return pieces
 
 
@@ -113,17 +113,18 @@ def _fragment_of(
 
 def _flat_pieces(params: list[torch.Tensor], fragments: int) -> Pieces:
     """P consecutive runs of equal size of the flattened parameters (`fragment_layout: flat`)."""
-    total, start = sum(p.numel() for p in params), 0
+    total, start = sum(local(p).numel() for p in params), 0
     if fragments > total:
         raise ValueError(f"fragments={fragments} is more than this model's {total} parameters")
     bounds = [f * total // fragments for f in range(fragments + 1)]
     pieces: Pieces = [[] for _ in range(fragments)]
     for p in params:
-        end = start + p.numel()
+        t = local(p)  # a sharded parameter's own shard (P = 1 only: flat fragments refuse shards)
+        end = start + t.numel()
         for f in range(fragments):
             lo, hi = max(start, bounds[f]), min(end, bounds[f + 1])
             if lo < hi:  # the whole tensor, or its part in fragment f
-                pieces[f].append((p if (lo, hi) == (start, end) else p.view(-1)[lo - start : hi - start], p))
+                pieces[f].append((t if (lo, hi) == (start, end) else t.view(-1)[lo - start : hi - start], p))
         start = end
     return pieces
 
@@ -196,10 +197,16 @@ class DiLoCo:
         """`dcfg`: the typed block `diloco.config.validate` (or `check_distributed`) returned, not checked
         again here. `collective`: the cross-worker averaging's Collective (default: over ctx.cross_group);
         a script or test injects its own, e.g. one that simulates a slow link."""
-        # DDP inside the worker; also checks that every rank holds the same shapes and initial weights
-        inner = DataParallel(ctx, model, group=ctx.worker_group, bucket_cap_mb=dcfg.ddp_bucket_cap_mb)
         timeout = dcfg.timeout_seconds
-        intra = comm.group_collective(ctx.worker_group, timeout)
+        if ctx.sharded:  # FSDP2 inside the worker (train.run sharded the model): each rank averages its own
+            # shard with the ranks holding the same one in the other workers, so no intra-worker exchange
+            inner, intra = FullyShardedData(ctx, model, group=ctx.worker_group), None
+            peers = comm.group_collective(ctx.worker_group, timeout)
+            cross = collective if collective is not None else comm.group_collective(ctx.cross_group, timeout)
+            return cls(model, optimizer, cross, dcfg, inner_strategy=inner, shard_peers=peers)
+        else:  # DDP inside the worker; also checks that every rank holds the same shapes and initial weights
+            inner = DataParallel(ctx, model, group=ctx.worker_group, bucket_cap_mb=dcfg.ddp_bucket_cap_mb)
+            intra = comm.group_collective(ctx.worker_group, timeout)
         cross = collective if collective is not None else comm.group_collective(ctx.cross_group, timeout)
         return cls(model, optimizer, cross, dcfg, intra=intra, inner_strategy=inner)
 
@@ -211,7 +218,8 @@ class DiLoCo:
         config: DiLoCoConfig,
         *,
         intra: comm.Collective | None = None,
-        inner_strategy: DataParallel | None = None,  # DDP among the worker's ranks
+        inner_strategy: DataParallel | FullyShardedData | None = None,  # DDP or FSDP among the worker's ranks
+        shard_peers: comm.Collective | None = None,  # FSDP: the worker's ranks, holding the other shards
     ):
         """`config`: the typed `distributed:` block (checked by `diloco.config`, not here); `cross`: the
         averaging across workers; `intra`: the worker's own ranks (None: one rank)."""
@@ -229,6 +237,10 @@ class DiLoCo:
         pieces = fragment_pieces(list(model.named_parameters()), c.fragments, c.fragment_layout)
         self.buckets, self.fragments = fragment_buckets(pieces, c.bucket_size_mb)
         self._fragment_params = fragment_parameters(pieces)
+        # sharded workers: which of the fragment's parameters each bucket's pieces are (whole shards)
+        self.shard_peers = shard_peers
+        position = {id(p): i for params in self._fragment_params for i, p in enumerate(params)}
+        self._piece_params = [[position[id(p)] for _, p in frag] for frag in pieces]
         # fragment f is synchronised at inner steps (f + 1) * H / P modulo H (P=1: every H steps)
         self._schedule = {(f + 1) * inner_steps // c.fragments % inner_steps: f for f in range(c.fragments)}
         self.overlap_steps, self.fragment_alpha = overlap_steps, c.fragment_alpha
@@ -400,12 +412,16 @@ class DiLoCo:
         """The mean pseudo-gradient of the fragment's buckets over the workers, and the round's metrics."""
         self.meter.begin()
         mean_sq, grads = [], {}
+        if snapshot is None and self._needs_worker_absmax():
+            snapshot = {b: self._pseudo_grad(b, own=True) for b in self.fragments[fragment]}
+        absmax = self._worker_absmax(fragment, snapshot) if self._needs_worker_absmax() else {}
         for b in self.fragments[fragment]:
             owner = b % self.intra.size  # the rank of this worker that all-reduces bucket b
             pseudo_grad = snapshot[b] if snapshot else self._pseudo_grad(b, own=owner == self.intra.rank)
             if owner == self.intra.rank:
                 self.meter.observe(b, pseudo_grad)
-                self.averager.average_(pseudo_grad, self.sizes[b], key=b)  # 1/W sum_i, pseudo_grad_dtype
+                extra = {"absmax": absmax[b]} if b in absmax else {}
+                self.averager.average_(pseudo_grad, self.sizes[b], key=b, **extra)  # 1/W sum_i
                 self.meter.observe_mean(b, pseudo_grad)
             self.intra.broadcast_(pseudo_grad, src=owner, tag="intra_worker")
             mean_sq.append(torch.linalg.vector_norm(pseudo_grad).double().square())  # one pass, no copy
@@ -418,6 +434,31 @@ class DiLoCo:
             )
         numel = sum(sum(self.sizes[b]) for b in self.fragments[fragment])
         return grads, {**self._round_metrics(norm, numel), "outer/fragment": fragment}
+
+    def _needs_worker_absmax(self) -> bool:
+        return self.shard_peers is not None and getattr(self.averager, "scaled", False)
+
+    def _worker_absmax(self, fragment: int, grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Per bucket of the fragment, its tensors' largest magnitudes over the whole worker (a MAX over
+        its ranks, each of which holds a shard of every tensor): float16's per-tensor scale is then the
+        whole tensor's, as with unsharded workers. One small all-reduce per outer step and fragment."""
+        frag = self._fragment_params[fragment]
+        per_param = torch.zeros(len(frag))
+        for k, b in enumerate(self.fragments[fragment]):
+            parts = grads[b].split(self.sizes[b])
+            for i, t in zip(self._piece_params[fragment][self._bucket_offset(fragment, k) :], parts):
+                if t.numel():  # a rank may hold no rows of a small tensor
+                    per_param[i] = max(per_param[i], float(t.abs().max()))
+        self.shard_peers.all_reduce_(per_param, op="max", tag="fp16_scales_worker")
+        out, start = {}, 0
+        for b in self.fragments[fragment]:
+            ids = self._piece_params[fragment][start : start + len(self.sizes[b])]
+            out[b], start = per_param[ids].clone(), start + len(self.sizes[b])
+        return out
+
+    def _bucket_offset(self, fragment: int, k: int) -> int:
+        """The index, in the fragment's pieces, of the first piece of its k-th bucket."""
+        return sum(len(self.sizes[b]) for b in self.fragments[fragment][:k])
 
     @torch.no_grad()
     def _apply(self, fragment: int, grads: dict[int, torch.Tensor]) -> None:

@@ -39,6 +39,14 @@ class DistContext:
     cross_group: object = None  # process group of the ranks with this local index in every worker
     # a DumbDiLoCo node: its ranks split the node's one shard (data.shard) instead of reading one each
     shard_per_node: bool = False
+    # worker_parallel=fsdp: the model is sharded over the worker's ranks (`shard_model`), so every rank of
+    # worker 0 takes part in an evaluation's forward passes, not rank 0 alone
+    sharded: bool = False
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether this rank runs the evaluations (rank 0; with sharded workers, every rank of worker 0)."""
+        return self.is_main or (self.sharded and self.worker_id == 0)
 
     @property
     def is_main(self) -> bool:
@@ -174,7 +182,8 @@ def init_distributed(dcfg, device: str = "auto", ranks_per_gpu: int = 1) -> Dist
     )  # NCCL refuses two ranks on one GPU; gloo takes CUDA tensors
     dist.init_process_group("nccl" if nccl else "gloo", timeout=timeout)
     ctx = DistContext(
-        rank, world, local_rank, torch_device, world // g, rank // g, g, shard_per_node=per_node
+        rank, world, local_rank, torch_device, world // g, rank // g, g, shard_per_node=per_node,
+        sharded=getattr(dcfg, "worker_parallel", "ddp") == "fsdp",
     )
     if dcfg.mode in ("ddp", "dumb_diloco"):  # one worker of all ranks (the default group)
         return ctx
@@ -400,3 +409,160 @@ def shutdown_distributed(ctx: DistContext, clean: bool = True) -> None:
         if clean:
             ctx.barrier()
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- FSDP2 (worker_parallel: fsdp)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder blocks (a transformers Llama's `model.layers`): FSDP's units."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ConfigError(
+            "worker_parallel=fsdp shards a Llama's decoder blocks (model.layers): this model has none"
+        )
+    return list(layers)
+
+
+def shard_model(ctx: DistContext, model: torch.nn.Module, group=None) -> None:
+    """FSDP2 (`fully_shard`) over `group`'s ranks (None: all), in place: each decoder layer, then the root.
+    Its parameters become DTensors holding this rank's shard of dim 0, so build the optimizer after it.
+    On CUDA the forward and backward run in bfloat16 with float32 gradient reductions; on CPU in float32.
+    Every rank of the run must start from the same weights (checked first, as for DDP)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    check_same_model(ctx, model)
+    mesh = DeviceMesh.from_group(group if group is not None else dist.group.WORLD, ctx.device.type)
+    if ctx.device.type == "cuda":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    else:
+        policy = MixedPrecisionPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: its FSDP shard (a view sharing the storage), or the tensor itself."""
+    return t.to_local() if is_sharded(t) else t
+
+
+class FullyShardedData:
+    """distributed=ddp with worker_parallel=fsdp (the model sharded over all ranks, shard_model), and the
+    inside of a DiLoCo worker with it (over the worker's ranks). FSDP2 all-gathers the parameters for
+    the forward and the backward and reduce-scatters the gradients itself; gradient accumulation skips
+    the reduce-scatter until the last micro-step. `comm/bytes_per_step` is computed from the parameters'
+    bytes (two all-gathers and a reduce-scatter of (G-1)/G of them per step), not measured: FSDP2 has no
+    hook that sees its collectives' buffers."""
+
+    name = "fsdp"
+    num_workers = 1  # one worker of all its ranks: train.batch_size is the worker's batch
+
+    def __init__(self, ctx: DistContext, model: torch.nn.Module, group=None, *, log_every: int = 0):
+        self.ctx, self.model, self.group = ctx, model, group
+        self.size = dist.get_world_size(group) if ctx.initialized else 1
+        self.log_every = int(log_every or 0)
+        full = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.bytes_per_step = 3 * full * (self.size - 1) // max(self.size, 1)
+        self.total_bytes = 0  # this rank's, counted at each step's last micro-step (DiLoCo reads it too)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model  # sharded in place by shard_model before the optimizer was built
+
+    def start(self) -> None:
+        pass
+
+    def finish(self) -> bool:
+        return False
+
+    @contextmanager
+    def grad_sync(self, last_micro_step: bool):
+        self.model.set_requires_gradient_sync(last_micro_step)
+        try:
+            yield
+        except RuntimeError as err:  # a collective that failed: a peer died or hung
+            raise peer_lost(err) from None
+        if last_micro_step:
+            self.total_bytes += self.bytes_per_step
+
+    def after_inner_step(self, step: int) -> dict[str, float]:
+        if not self.log_every or step % self.log_every:
+            return {}
+        return {"comm/bytes_per_step": self.bytes_per_step, "comm/total_bytes": self.total_bytes}
+
+    def eval_weights(self, step: int):
+        return nullcontext()  # every rank of the group evaluates with its shards (train.run_eval)
+
+    def progress(self, step: int) -> float:
+        return step
+
+    def state_dict(self) -> dict:
+        return {"total_bytes": self.total_bytes}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total_bytes = int(state["total_bytes"])
+
+    def summary(self) -> dict[str, float]:
+        return {"comm/total_bytes": self.total_bytes}
+
+    def close(self) -> None:
+        pass
+
+
+class LocalShards:
+    """The state_dict of a sharded module or optimizer as this rank's local shards (plain tensors, which
+    checkpoint.load reads with weights_only=True), restored into the same topology exactly. Hand-written
+    rather than torch.distributed.checkpoint for the one rank file per rank the checkpoints keep."""
+
+    def __init__(self, obj, params: list[torch.nn.Parameter] | None = None):
+        self.obj, self.params = obj, params
+
+    def state_dict(self) -> dict:
+        return _to_local(self.obj.state_dict())
+
+    def load_state_dict(self, state: dict) -> None:
+        if isinstance(self.obj, torch.nn.Module):
+            with torch.no_grad():
+                for k, t in self.obj.state_dict().items():
+                    local(t).copy_(state[k])
+            return
+        state = dict(state)
+        index = {i: p for i, p in enumerate(p for g in self.obj.param_groups for p in g["params"])}
+        state["state"] = {
+            i: {k: _as_param_shard(v, index[int(i)]) for k, v in s.items()} for i, s in state["state"].items()
+        }
+        self.obj.load_state_dict(state)
+
+
+def _to_local(obj):
+    if isinstance(obj, dict):
+        return {k: _to_local(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_local(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return local(obj).detach().clone()
+    return obj
+
+
+def _as_param_shard(value, param: torch.Tensor):
+    """An optimizer state tensor saved as a local shard, back as a DTensor laid out as its parameter."""
+    if not (isinstance(value, torch.Tensor) and is_sharded(param) and value.shape == param.to_local().shape):
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        value.to(param.device),
+        param.device_mesh,
+        param.placements,
+        shape=param.shape,
+        stride=param.stride(),
+        run_check=False,
+    )

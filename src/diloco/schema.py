@@ -150,6 +150,9 @@ class DDPConfig:
     timeout_seconds: float = 600  # a collective that waits longer fails the run (dead or hung rank)
     ddp_bucket_cap_mb: Optional[float] = 25  # DDP gradient bucket size (MB); None = DDP's default
     comm_log_every: int = II("train.log_every")  # log comm/bytes_per_step and comm/total_bytes this often
+    # ddp: every rank holds the whole model | fsdp: FSDP2 shards it over the ranks (each decoder layer and
+    # the root; bf16 parameters and float32 reductions on CUDA, float32 on CPU)
+    worker_parallel: str = "ddp"
 
 
 @dataclass
@@ -181,6 +184,9 @@ class DiLoCoConfig:
     # Kale et al. 2025's eager updates (needs overlap_steps = inner_steps): step at once with this worker's
     # fresh pseudo-gradient standing in for its share of the mean, the others' shares one round late
     eager_updates: bool = False
+    # inside each worker: ddp (every rank holds the whole model) | fsdp (FSDP2 shards it over the worker's
+    # ranks; the pseudo-gradient, global copy and outer momentum are each rank's shard)
+    worker_parallel: str = "ddp"
     fp16_scaling: bool = (
         True  # float16: per-tensor power-of-two scale agreed by all workers; false = plain cast
     )

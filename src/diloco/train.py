@@ -43,10 +43,12 @@ from diloco.data import DataError, PrefetchedStream, SequenceStream, eval_batche
 from diloco.distributed import (
     DistContext,
     DistributedError,
+    LocalShards,
     StopAgreement,
     StopFlag,
     check_same_start,
     init_distributed,
+    shard_model,
     shutdown_distributed,
 )
 from diloco.errors import RunError
@@ -85,8 +87,10 @@ def build_strategy(
 
         return LocalTraining(ctx)
     if mode == "ddp":
-        from diloco.distributed import DataParallel
+        from diloco.distributed import DataParallel, FullyShardedData
 
+        if ctx.sharded:
+            return FullyShardedData(ctx, model, log_every=dcfg.comm_log_every)
         return DataParallel(ctx, model, bucket_cap_mb=dcfg.ddp_bucket_cap_mb, log_every=dcfg.comm_log_every)
     if mode == "diloco":
         from diloco.diloco import DiLoCo
@@ -167,6 +171,8 @@ def run(
 
     # ----------------------------------------------------------------------------- model
     model, counts, fingerprint = build_counted_model(cfg, device)
+    if ctx.sharded:  # FSDP2 over the worker's ranks (distributed=ddp: all of them), before the optimizer
+        shard_model(ctx, model, ctx.worker_group if cfg.distributed.mode == "diloco" else None)
 
     # ----------------------------------------------------------------------------- optimizers, strategy
     optimizer = build_optimizer(cfg, model, device)
@@ -176,7 +182,11 @@ def run(
     if cfg.compile if cfg.compile is not None else device.type == "cuda":
         train_model = torch.compile(train_model)
     stateful = dict(
-        model=model, optimizer=optimizer, scheduler=scheduler, data=train_stream, strategy=strategy
+        model=LocalShards(model) if ctx.sharded else model,
+        optimizer=LocalShards(optimizer) if ctx.sharded else optimizer,
+        scheduler=scheduler,
+        data=train_stream,
+        strategy=strategy,
     )
 
     # ----------------------------------------------------------------------------- resume, start
@@ -558,7 +568,7 @@ def build_data(cfg: schema.Config, ctx: DistContext) -> tuple[PrefetchedStream, 
         shuffle_seed=cfg.data.shuffle_seed,
     )
     train_stream = PrefetchedStream(stream, cfg.train.micro_batch_size)
-    if not ctx.is_main:
+    if not ctx.evaluates:
         return train_stream, {}
     sets = {"all": eval_batches(cfg.data, tokenizer, cfg.eval.tokens, cfg.eval.micro_batch_size)}
     if cfg.data.sharding == "noniid" and num_shards > 1:
@@ -581,8 +591,9 @@ def checkpoint_to_resume(cfg: schema.Config, run_dir: Path) -> Path | None:
 
 def run_eval(model, strategy, eval_sets, device, autocast, logger, step, ctx) -> float:
     """Rank 0 evaluates the model the strategy says was averaged (DDP: the live weights; DiLoCo: the
-    global weights); the others go on and wait at their next collective."""
-    if not ctx.is_main:
+    global weights); the others go on and wait at their next collective. A sharded model's forward needs
+    every rank of its group: worker 0's ranks all evaluate the same batches; rank 0 logs."""
+    if not ctx.evaluates:
         return math.nan
     with strategy.eval_weights(step):  # DiLoCo mid-round: the last averaged weights, not rank 0's own
         loss = evaluate(model, eval_sets["all"], device, autocast)
