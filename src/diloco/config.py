@@ -32,7 +32,10 @@ WIRE_DTYPES = ("float32", "float16", "bfloat16", "int8", "int4", "topk2")
 ERROR_FEEDBACK_DTYPES = ("int8", "int4", "topk2")
 GLOBAL_COPY_DEVICES = ("cpu", "device")
 FRAGMENT_LAYOUTS = ("strided", "sequential", "flat")
-WORKER_PARALLEL = ("ddp", "fsdp")  # how a worker's ranks share its model (distributed.worker_parallel)  # Streaming DiLoCo's fragments (diloco.fragment_pieces)
+WORKER_PARALLEL = (
+    "ddp",
+    "fsdp",
+)  # how a worker's ranks share its model (distributed.worker_parallel)  # Streaming DiLoCo's fragments (diloco.fragment_pieces)
 DUMB_DILOCO_ROLES = ("master", "worker", "single")
 
 

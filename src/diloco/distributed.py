@@ -182,7 +182,14 @@ def init_distributed(dcfg, device: str = "auto", ranks_per_gpu: int = 1) -> Dist
     )  # NCCL refuses two ranks on one GPU; gloo takes CUDA tensors
     dist.init_process_group("nccl" if nccl else "gloo", timeout=timeout)
     ctx = DistContext(
-        rank, world, local_rank, torch_device, world // g, rank // g, g, shard_per_node=per_node,
+        rank,
+        world,
+        local_rank,
+        torch_device,
+        world // g,
+        rank // g,
+        g,
+        shard_per_node=per_node,
         sharded=getattr(dcfg, "worker_parallel", "ddp") == "fsdp",
     )
     if dcfg.mode in ("ddp", "dumb_diloco"):  # one worker of all ranks (the default group)
