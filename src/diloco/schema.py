@@ -47,6 +47,9 @@ class TrainConfig:
     checkpoint_at_end: bool = True  # also write one when the run ends (false only for throwaway dry runs)
     keep_checkpoints: int = 2
     progress: bool = True  # tqdm progress line (rank 0 only)
+    # recompute each decoder layer's activations in the backward instead of keeping them (transformers'
+    # gradient checkpointing, non-reentrant torch.utils.checkpoint per layer): memory for compute
+    activation_checkpointing: bool = False
     # heterogeneous workers (experiments): the data shards in slow_shards (a DiLoCo worker's rank, a
     # DumbDiLoCo node's data.shard) sleep after each step so that a step takes `slowdown` times as long
     slowdown: float = 1.0

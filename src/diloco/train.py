@@ -227,6 +227,8 @@ def run(
 def build_counted_model(cfg: schema.Config, device: torch.device) -> tuple[torch.nn.Module, dict, str]:
     """The model on `device`, its parameter counts (logged) and its shape fingerprint."""
     model = build_model(cfg.model, seed=cfg.seed).to(device)
+    if cfg.train.activation_checkpointing:  # per decoder layer, the library's mechanism
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     counts, fingerprint = count_parameters(model), shape_fingerprint(model)
     log.info(
         "model %s: %.1fM parameters (%.1fM without embeddings)",

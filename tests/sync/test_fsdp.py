@@ -62,6 +62,16 @@ def test_the_fsdp_baseline_trains_as_ddp_does(tmp_path):
     assert len(evals[0]) == 2 and evals[1] == pytest.approx(evals[0], rel=REL)
     want = torch.load(checkpoint.latest(tmp_path / "ddp") / "rank0.pt", weights_only=True)["model"]
     close_but_for_round_off(full_weights(tmp_path / "fsdp"), want)
+    # activation checkpointing inside the FSDP units recomputes the same activations: the same run
+    ac = torchrun(
+        tmp_path,
+        "fsdp_ac",
+        *common,
+        "distributed.worker_parallel=fsdp",
+        "train.activation_checkpointing=true",
+    )
+    assert ac.returncode == 0, ac.stderr[-2000:]
+    assert losses(tmp_path / "fsdp_ac") == pytest.approx(losses(tmp_path / "fsdp"), rel=1e-7)
     summary = json.loads((tmp_path / "fsdp" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["status"] == "completed"
 
