@@ -79,6 +79,7 @@ class LaunchConfig:
         None  # key of the paper number this run is checked against (results/reference.yaml)
     )
     report_step: Optional[int] = None  # step at which the paper reports (1.1B: 44k of 88k); None = the end
+    gpu_memory_gib: float = 80  # one GPU's memory: a dry run refuses a layout estimated above 90% of it
 
 
 @dataclass

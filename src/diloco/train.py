@@ -170,9 +170,7 @@ def run(
     train_stream, eval_sets = build_data(cfg, ctx)
 
     # ----------------------------------------------------------------------------- model
-    model, counts, fingerprint = build_counted_model(cfg, device)
-    if ctx.sharded:  # FSDP2 over the worker's ranks (distributed=ddp: all of them), before the optimizer
-        shard_model(ctx, model, ctx.worker_group if cfg.distributed.mode == "diloco" else None)
+    model, counts, fingerprint = build_counted_model(cfg, ctx)
 
     # ----------------------------------------------------------------------------- optimizers, strategy
     optimizer = build_optimizer(cfg, model, device)
@@ -224,12 +222,15 @@ def run(
     return exit_code
 
 
-def build_counted_model(cfg: schema.Config, device: torch.device) -> tuple[torch.nn.Module, dict, str]:
-    """The model on `device`, its parameter counts (logged) and its shape fingerprint."""
-    model = build_model(cfg.model, seed=cfg.seed).to(device)
+def build_counted_model(cfg: schema.Config, ctx: DistContext) -> tuple[torch.nn.Module, dict, str]:
+    """The model on this rank's device (sharded by FSDP2 over the worker's ranks with worker_parallel=fsdp,
+    before the optimizer sees its parameters), its parameter counts (logged) and its shape fingerprint."""
+    model = build_model(cfg.model, seed=cfg.seed).to(ctx.device)
     if cfg.train.activation_checkpointing:  # per decoder layer, the library's mechanism
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     counts, fingerprint = count_parameters(model), shape_fingerprint(model)
+    if ctx.sharded:  # over the worker's ranks (distributed=ddp: all of them)
+        shard_model(ctx, model, ctx.worker_group if cfg.distributed.mode == "diloco" else None)
     log.info(
         "model %s: %.1fM parameters (%.1fM without embeddings)",
         cfg.model.name,

@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 import diloco.configs
+from diloco import memory
 from diloco.errors import ConfigError
 from diloco.layout import ranks_per_worker
 
@@ -239,7 +240,11 @@ def describe(name: str) -> str:
         f" -> {_si(vol['tokens'], 'tokens')} in all",
         f"   communication per worker: {_si(vol['bytes_per_inner_step'], 'B')} per inner step, "
         f"{_si(vol['bytes_per_worker'], 'B')} over the run",
+        f"   GPU memory (estimated, src/diloco/memory.py): {memory.of_config(cfg).line()} of "
+        f"{cfg.launch.gpu_memory_gib:g} GiB",
     ]
+    if (why := memory.refusal(cfg)) is not None:
+        lines.append(f"   does not fit: {why}")
     if topo["mode"] == "dumb_diloco":
         lines.append("   " + commit_budget_line(cfg))
         lines.append(

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from diloco import memory
 from diloco.config import ConfigError, validate
 from diloco.experiments.plan import (
     PlanError,
@@ -73,6 +74,7 @@ FAMILIES = {  # the order runs are started in
         "150m/dumb_diloco_8n_h500",
     ],
     "1b": ["1b/ddp", "1b/diloco_4w_h125", "1b/diloco_4w_h500", "1b/dumb_diloco_4n_h125"],
+    "7b": ["7b/diloco_4w_fsdp8"],  # past the paper: the size sharded workers exist for (issue 53)
     "fp16": [
         "150m/diloco_4w_h500",
         "150m/diloco_4w_h500_fp16",
@@ -452,6 +454,28 @@ def no_cuda() -> str | None:
     return None
 
 
+def dry_run(names: list[str], overrides: list[str]) -> int:
+    """The plan's last check: a layout that cannot fit one GPU is one line (exit 2), else 2 real CPU steps
+    of each run."""
+    unfit = {n: memory.refusal(compose_experiment(n, overrides)) for n in names}
+    for name, why in unfit.items():
+        if why is not None:
+            print(f"error: {name}: does not fit one GPU: {why}", file=sys.stderr)
+    if any(unfit.values()):
+        return 2
+    with tempfile.TemporaryDirectory(prefix="diloco-dry-") as tmp:
+        for name in names:
+            measured = dry_steps(name, Path(tmp) / name.replace("/", "_"))
+            if measured is None:
+                continue
+            secs, peak = measured
+            print(
+                f"   {name}: 2 real optimizer steps on CPU OK ({secs:.0f} s, peak {peak / 2**30:.2f} GiB)",
+                flush=True,
+            )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", required=True, choices=sorted(FAMILIES))
@@ -495,17 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             print(describe(name), flush=True)
         if args.dry_run:
-            with tempfile.TemporaryDirectory(prefix="diloco-dry-") as tmp:
-                for name in names:
-                    measured = dry_steps(name, Path(tmp) / name.replace("/", "_"))
-                    if measured is None:
-                        continue
-                    secs, peak = measured
-                    print(
-                        f"   {name}: 2 real optimizer steps on CPU OK ({secs:.0f} s, peak {peak / 2**30:.2f} GiB)",
-                        flush=True,
-                    )
-            return 0
+            return dry_run(names, args.override)
         if device is not None and args.hosts_file is None:  # a family that runs on this machine
             for name in names:
                 run_local(name, args.runs, args.override, device)
