@@ -166,7 +166,7 @@ if [[ $DRY_RUN == 1 ]]; then
   echo "OMP_NUM_THREADS=$OMP_NUM_THREADS TORCH_NCCL_ASYNC_ERROR_HANDLING=$TORCH_NCCL_ASYNC_ERROR_HANDLING NCCL_DEBUG=$NCCL_DEBUG $SHOWN"
   exit 0
 fi
-mkdir -p "$LOG_DIR"
+mkdir -p "$LOG_DIR" 2>/dev/null || die "cannot make the run folder $LOG_DIR: choose a writable out_dir"
 echo "# $(date -u +%FT%TZ) $SHOWN" >> "$LOG"
 [[ -z $notes ]] || echo "$notes" >> "$LOG"  # the notes printed above: the log holds all the terminal shows
 # In the background, so that a SIGTERM sent to this script is passed on to the run (a waiting bash

@@ -221,3 +221,26 @@ def test_a_hub_repository_out_of_reach_is_one_line_at_once(tmp_path):
         in line
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_launch_node_refuses_an_out_dir_it_cannot_write_in_one_line(tmp_path):
+    """Through scripts/launch_node.sh the same mistake was a bare `mkdir: cannot create directory`."""
+    (tmp_path / "afile").write_text("")
+    out = subprocess.run(
+        [
+            "bash",
+            "scripts/launch_node.sh",
+            "--experiment",
+            "demo",
+            "--cpu",
+            "--",
+            f"out_dir={tmp_path / 'afile'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("launch_node.sh: error: out_dir=") and "is a file" in lines[0]

@@ -27,12 +27,13 @@ IDENTITY = (
 )
 
 
-def check(cfg, run_dir: Path) -> None:
-    """Every check, in the order a user would fix them; `cfg`: the validated config."""
+def check(cfg, run_dir: Path, hub: bool = True) -> None:
+    """Every check, in the order a user would fix them; `cfg`: the validated config. `hub`: also a Hub
+    repository's token and reachability (a plan made away from the nodes leaves those to the run)."""
     check_writable(Path(cfg.out_dir), run_dir)
     check_run_folder(cfg, run_dir)
     if cfg.distributed.mode == "dumb_diloco" and cfg.distributed.role != "single":
-        check_repository(cfg.distributed.repo_id)
+        check_repository(cfg.distributed.repo_id, hub)
 
 
 def check_writable(out_dir: Path, run_dir: Path) -> None:
@@ -80,8 +81,9 @@ def _get(tree, path: tuple[str, ...]):
     return tree
 
 
-def check_repository(repo_id: str) -> None:
-    """A shared directory that can be one, or a Hub id that was meant as one and can be reached."""
+def check_repository(repo_id: str, hub: bool = True) -> None:
+    """A shared directory that can be one, or a Hub id that was meant as one (and, with `hub`, has a
+    token and can be reached)."""
     from diloco.dumb_diloco.store.budget import on_hub
 
     if not on_hub(repo_id):
@@ -94,6 +96,8 @@ def check_repository(repo_id: str) -> None:
             f"but {'it' if local.exists() else repo_id.split('/')[0]} is also a local path here: write "
             f"./{repo_id} for a shared directory"
         )
+    if not hub:
+        return
     from huggingface_hub import get_token
 
     if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):

@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 import diloco.configs
-from diloco import memory
+from diloco import memory, preflight
 from diloco.errors import ConfigError
 from diloco.layout import ranks_per_worker
 
@@ -76,7 +76,8 @@ def check_run(overrides: list[str]) -> str | None:
             f"launched with {topo['world_size']} ranks but distributed=none; choose distributed=ddp or diloco"
         )
     try:
-        validate(cfg)
+        typed = validate(cfg)
+        preflight.check(typed, Path(typed.out_dir) / typed.run_name, hub=False)  # before any folder exists
         check_batch_split(
             cfg.train.batch_size, cfg.train.micro_batch_size, topo["world_size"] // topo["workers"]
         )
