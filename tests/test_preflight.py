@@ -141,7 +141,7 @@ def test_the_printed_commands_run_two_nodes_on_one_machine_each_in_its_own_folde
     ("arg", "want"),
     [
         ("experiment=150m/diloco_8w_h5000", "did you mean experiment=150m/diloco_8w_h500?"),
-        ("model=2b", "did you mean model=2m?"),
+        ("model=150n", "did you mean model=150m?"),
     ],
 )
 def test_an_unknown_experiment_or_model_is_one_line_listing_them_all(tmp_path, arg, want):
@@ -200,7 +200,7 @@ def test_a_relative_path_read_as_a_hub_id_says_so(tmp_path):
     # not a path here either, and no token: the same advice, at once (it retried for 105 s)
     (tmp_path / "runs").rmdir()
     line = _one_line(_trainer(*args, "distributed.repo_id=runs/shared", cwd=tmp_path, env=env, timeout=60))
-    assert "no Hub token is set (HF_TOKEN or `hf auth login`)" in line and "./runs/shared" in line
+    assert "no Hub token is set (HF_TOKEN, `hf auth login` or distributed.token)" in line and "./runs/shared" in line
     assert not (tmp_path / "out").exists()
 
 

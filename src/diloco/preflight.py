@@ -33,7 +33,7 @@ def check(cfg, run_dir: Path, hub: bool = True) -> None:
     check_writable(Path(cfg.out_dir), run_dir)
     check_run_folder(cfg, run_dir)
     if cfg.distributed.mode == "dumb_diloco" and cfg.distributed.role != "single":
-        check_repository(cfg.distributed.repo_id, hub)
+        check_repository(cfg.distributed.repo_id, hub, token=cfg.distributed.token)
 
 
 def check_writable(out_dir: Path, run_dir: Path) -> None:
@@ -81,9 +81,9 @@ def _get(tree, path: tuple[str, ...]):
     return tree
 
 
-def check_repository(repo_id: str, hub: bool = True) -> None:
+def check_repository(repo_id: str, hub: bool = True, token: str | None = None) -> None:
     """A shared directory that can be one, or a Hub id that was meant as one (and, with `hub`, has a
-    token and can be reached)."""
+    token, `distributed.token` or huggingface_hub's, and can be reached)."""
     from diloco.dumb_diloco.store.budget import on_hub
 
     if not on_hub(repo_id):
@@ -107,10 +107,10 @@ def check_repository(repo_id: str, hub: bool = True) -> None:
         )
     from diloco.data import hub_unreachable
 
-    if get_token() is None:
+    if token is None and get_token() is None:
         raise ConfigError(
             f"distributed.repo_id={repo_id} is read as a Hugging Face Hub repository id and no Hub token is "
-            f"set (HF_TOKEN or `hf auth login`): set one, or write ./{repo_id} (or an absolute path) for a "
+            f"set (HF_TOKEN, `hf auth login` or distributed.token): set one, or write ./{repo_id} (or an absolute path) for a "
             "shared directory"
         )
     if (why := hub_unreachable()) is not None:

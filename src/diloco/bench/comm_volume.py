@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from diloco.bench import common as bc
+from diloco.config import run_dir_of
 
 # The paper's runs (OpenDiLoCo arXiv 2407.07852, Sec. 3; configs/experiment/*): model, workers, H, steps.
 PAPER_RUNS = [
@@ -173,7 +174,7 @@ def _measured_dumb(out: Path, h: int, rounds: int) -> dict:
     files = DirectoryTransport(repo, create=False).list("")
     deltas = [f.size for f in files if f.path.startswith("nodes/")]
     globals_ = [f.size for f in files if f.path == "global/latest.safetensors"]
-    summary = json.loads((out / "dumb" / "summary.json").read_text())
+    summary = json.loads((run_dir_of(cfg) / "summary.json").read_text())
     return {
         "source": "files written by a single-node DumbDiLoCo trainer run",
         "delta_bytes": max(deltas) if deltas else None,

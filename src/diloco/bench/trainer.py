@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from diloco.bench import common as bc
+from diloco.config import run_dir_of
 
 TARGET = 0.97
 
@@ -83,7 +84,7 @@ def trainer_tokens_per_second(cfg, s: dict) -> float:
     code = run(cfg)
     if code != 0:
         raise RuntimeError(f"trainer exited with {code}")
-    run_dir = Path(cfg.out_dir) / cfg.run_name
+    run_dir = run_dir_of(cfg)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     windows = [r for r in records if "tokens_per_second" in r and r["step"] > s["warmup_steps"]]
     tokens_per_window = s["window"] * s["batch"] * s["seq_len"]

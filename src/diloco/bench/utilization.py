@@ -46,6 +46,7 @@ import torch
 
 from diloco import comm, quant, sparse
 from diloco.bench import common as bc
+from diloco.config import run_dir_of
 from diloco.dumb_diloco.store.throttled import ThrottledTransport
 
 PAPER_PARAMS = 214_983_680  # 150M, every parameter (the pseudo-gradient covers them all)
@@ -155,7 +156,7 @@ def run_trainer(overrides: list[str], collective=None, transport=None, before=No
         logging.getLogger("diloco").handlers.clear()
     if code != 0:
         raise RuntimeError(f"trainer exited with {code}")
-    summary = json.loads((Path(cfg.out_dir) / cfg.run_name / "summary.json").read_text())
+    summary = json.loads((run_dir_of(cfg) / "summary.json").read_text())
     return summary, box["s"]
 
 
