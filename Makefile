@@ -66,15 +66,16 @@ lint: setup  ## ruff
 	$(PY) -m ruff check src tests scripts
 	$(PY) -m ruff format --check src tests scripts
 
-# The suite on TEST_WORKERS pytest-xdist processes, a test file to a worker (its module fixtures are built
-# once), then the tests bounded in seconds (`alone`) one at a time with the machine to themselves (issue 54).
+# The suite on TEST_WORKERS pytest-xdist processes, each test to whichever worker is idle (the tests of a
+# module fixture stay together on one, so it is built once: tests/conftest.py), then the tests bounded in
+# seconds (`alone`) one at a time with the machine to themselves (issue 54).
 TEST_WORKERS ?= auto
 test: setup lint  ## lint + the whole test suite (about 21 minutes on 2 idle cores with set-up; GPU tests skip without CUDA)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not alone"
 	$(PY) -m pytest -q -m alone
 
 test-quick: setup  ## the unit and equivalence tests, no end-to-end or multi-process ones (about 2 minutes on 2 cores)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not alone"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow and not alone"
 
 soak-resume: setup  ## the kill-at-many-points resume test 20 times in a row (N=20; ~2 min each on 2 idle cores) -> results/soak/kill-resume.txt
 	scripts/soak_resume.sh $(or $(N),20)

@@ -83,3 +83,19 @@ def hub_server(monkeypatch, tmp_path, no_network):
         yield server
     finally:
         server.stop()
+
+
+# ======================================================================================
+# Whole suite under pytest-xdist (`make test`, --dist loadgroup, issue 54): a test is sent to any idle
+# worker, except that the tests of a module with a fixture built once per module (or class) go to one
+# worker together, so that fixture is built once, as in a serial run.
+# ======================================================================================
+_SHARED_SCOPES = ("module", "class", "package")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        defs = getattr(item, "_fixtureinfo", None)
+        scopes = {d.scope for ds in (defs.name2fixturedefs.values() if defs else ()) for d in ds}
+        if scopes & set(_SHARED_SCOPES):
+            item.add_marker(_dd_pytest.mark.xdist_group(item.nodeid.split("::")[0]))

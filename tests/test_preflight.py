@@ -200,7 +200,10 @@ def test_a_relative_path_read_as_a_hub_id_says_so(tmp_path):
     # not a path here either, and no token: the same advice, at once (it retried for 105 s)
     (tmp_path / "runs").rmdir()
     line = _one_line(_trainer(*args, "distributed.repo_id=runs/shared", cwd=tmp_path, env=env, timeout=60))
-    assert "no Hub token is set (HF_TOKEN, `hf auth login` or distributed.token)" in line and "./runs/shared" in line
+    assert (
+        "no Hub token is set (HF_TOKEN, `hf auth login` or distributed.token)" in line
+        and "./runs/shared" in line
+    )
     assert not (tmp_path / "out").exists()
 
 
