@@ -158,11 +158,11 @@ clean:  ## remove runs and caches (keeps .venv)
 # Benchmarks (issue #7): each script prints a table and writes results/bench/<name>.json; the report
 # turns them into results/bench/README.md. CPU ones take under 20 minutes on 2 cores.
 BENCH_ENV := WANDB_MODE=disabled HF_DATASETS_OFFLINE=1
-BENCH_CPU := wire trainer comm_volume outer_step boundary utilization quant
+BENCH_CPU := wire trainer comm_volume outer_step boundary utilization quant fsdp
 
 .PHONY: bench bench-gpu
 
-bench: setup  ## CPU benchmarks (outer step, boundary stall, wire, trainer, utilization, bytes) -> results/bench/
+bench: setup  ## CPU benchmarks (outer step, boundary stall, wire, trainer, utilization, bytes, FSDP) -> results/bench/
 	@set -e; for b in $(BENCH_CPU); do echo "== bench_$$b"; $(BENCH_ENV) $(PY) scripts/bench_$$b.py; done
 	$(PY) scripts/bench_report.py
 

@@ -70,6 +70,20 @@ def test_comm_volume(tmp_path):
     assert paper[0]["params"] == 214_983_680  # 150M: 215.0M parameters in total
 
 
+@pytest.mark.slow  # runs the real trainer end to end, twice, over 2 gloo processes
+def test_fsdp(tmp_path):
+    record = run_tiny("bench_fsdp", tmp_path)
+    ddp, fsdp = record["rows"]
+    assert (ddp["worker_parallel"], fsdp["worker_parallel"]) == ("ddp", "fsdp")
+    # bytes are counted, not timed: a rank of a 2-rank FSDP worker holds half the global copy and momentum
+    # (dim-0 shards of odd-sized tensors round up: within 1%)
+    assert fsdp["state_vs_ddp"] == pytest.approx(0.5, rel=0.01)
+    assert ddp["outer_rounds"] == fsdp["outer_rounds"] == 2
+    off, on = record["tables"]["activation checkpointing"]["rows"]
+    assert not off["activation_checkpointing"] and on["activation_checkpointing"]
+    assert on["estimate_float32_mib"] < off["estimate_float32_mib"]
+
+
 def test_outer_step(tmp_path):
     record = run_tiny("bench_outer_step", tmp_path)
     assert {r["impl"] for r in record["rows"]} == {"naive", "project"}

@@ -1,17 +1,21 @@
 """Sharded workers (issue 53, worker_parallel=fsdp): FSDP2 inside the DDP baseline and inside each DiLoCo
 worker, against the same runs with DDP, over gloo on CPU, through the real launcher. The tolerance is
 float32 reduction order: FSDP reduce-scatters gradient shards where DDP all-reduces buckets, and the sums
-round differently (measured below 1e-6 relative in the losses of these runs)."""
+round differently (measured below 1e-6 relative in the losses of these runs). The quantized averagers on
+shards are compared bit for bit with an in-process simulation of the shard-wise algorithm instead (the
+functions without `test_` there run inside 4 spawned gloo ranks, tests/mp_utils.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import threading
 
 import pytest
 import torch
-from mp_utils import QUIET_ENV, ROOT, TORCHRUN_TRAIN_2
+from mp_utils import QUIET_ENV, ROOT, TORCHRUN_TRAIN_2, run_ranks
+from omegaconf import OmegaConf
 from trainer_utils import SMALL, read_metrics
 
 from diloco import checkpoint
@@ -151,3 +155,118 @@ def test_a_stopped_fsdp_diloco_run_resumes_bit_for_bit(tmp_path):
         assert all(
             torch.equal(x, y) for x, y in zip(a["strategy"]["global_params"], b["strategy"]["global_params"])
         )
+
+
+# ------------------------------------------------------------------ quantized averagers on shards (in ranks)
+class Stack(torch.nn.Module):
+    """Two decoder-like blocks under `model.layers` (FSDP's units, as in a Llama) and a head; every dim 0
+    even, so each of 2 ranks holds exactly the rows torch.chunk(2) gives it."""
+
+    def __init__(self, width: int = 128):
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(2))
+        self.head = torch.nn.Linear(width, 4)
+
+
+def perturbation(worker: int, rnd: int, i: int, shape) -> torch.Tensor:
+    """What worker `worker`'s inner phase moved parameter i by in round `rnd`: the same wherever computed."""
+    g = torch.Generator().manual_seed(10_000 * worker + 100 * rnd + i)
+    return 1e-2 * torch.randn(shape, generator=g)
+
+
+def shard_cfg(dtype: str):
+    from diloco.schema import DiLoCoConfig
+
+    over = {"pseudo_grad_dtype": dtype, "error_feedback": True, "bucket_size_mb": 0.02}
+    over |= {
+        "ranks_per_worker": 2,
+        "worker_parallel": "fsdp",
+        "inner_steps": 1,
+        "cosine_sample_size": 1 << 20,
+    }
+    return OmegaConf.merge(OmegaConf.structured(DiLoCoConfig), over)
+
+
+def shardwise_rank(dtype: str, rounds: int) -> dict:
+    """2 workers x 2 FSDP ranks: each round adds the worker's perturbation to this rank's shard, then the
+    real outer step (DiLoCo.from_config on the sharded model, as train.run builds it)."""
+    from diloco.config import check_distributed
+    from diloco.diloco import DiLoCo
+    from diloco.distributed import init_distributed, local, shard_model
+
+    dcfg = check_distributed(shard_cfg(dtype))
+    ctx = init_distributed(dcfg, "cpu")
+    model = Stack()
+    shard_model(ctx, model, group=ctx.worker_group)
+    params = list(model.parameters())
+    first = [local(p).detach().clone() for p in params]
+    algo = DiLoCo.from_config(dcfg, ctx, model, torch.optim.SGD(params, lr=0.0))
+    part = ctx.rank % ctx.ranks_per_worker
+    for rnd in range(rounds):
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                local(p).add_(perturbation(ctx.worker_id, rnd, i, p.shape).chunk(2)[part])
+        algo.outer_step()
+    return {
+        "worker": ctx.worker_id,
+        "part": part,
+        "first": first,
+        "last": [local(p).detach().clone() for p in params],
+        "buckets": len(algo.buckets),
+    }
+
+
+def shardwise_simulation(dtype: str, rounds: int, part: int) -> list[list[torch.Tensor]]:
+    """The shard-wise algorithm in one process: shard `part` of the model as a model of its own, in each of
+    2 workers (threads over an InProcessGroup), plain DiLoCo on it; each worker's final shard."""
+    from diloco.comm import InProcessGroup
+    from diloco.config import check_distributed
+    from diloco.diloco import DiLoCo
+
+    dcfg = check_distributed(shard_cfg(dtype))
+    whole = list(Stack().parameters())
+    group = InProcessGroup(2, timeout_seconds=60)
+    models = [torch.nn.ParameterList([p.detach().chunk(2)[part].clone() for p in whole]) for _ in range(2)]
+    errors = []
+
+    def worker(w: int) -> None:
+        try:
+            algo = DiLoCo(models[w], torch.optim.SGD(models[w].parameters(), lr=0.0), group.member(w), dcfg)
+            for rnd in range(rounds):
+                with torch.no_grad():
+                    for i, (p, full) in enumerate(zip(models[w], whole)):
+                        p.add_(perturbation(w, rnd, i, full.shape).chunk(2)[part])
+                algo.outer_step()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [[p.detach().clone() for p in m] for m in models]
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4", "topk2"])
+def test_quantized_pseudo_gradients_on_shards_are_the_shardwise_algorithm(dtype):
+    """Over 3 rounds (error feedback carried), each FSDP rank's shard after the outer steps is, bit for
+    bit, plain DiLoCo run on that shard alone with the same shard of the other worker: the quantizer's
+    blocks, top-k chunks and residuals are the shard's, and nothing of the other shard enters."""
+    rounds = 3
+    ranks = run_ranks("test_fsdp:shardwise_rank", 4, per_node=2, timeout=300, dtype=dtype, rounds=rounds)
+    whole = list(Stack().parameters())
+    sims = {part: shardwise_simulation(dtype, rounds, part) for part in (0, 1)}
+    for r in ranks:
+        assert r["buckets"] > 1  # several buckets per shard: the bucketing is compared too
+        for mine, full in zip(r["first"], whole):  # a rank holds the rows chunk(2) says
+            assert torch.equal(mine, full.detach().chunk(2)[r["part"]])
+        want = sims[r["part"]][r["worker"]]
+        moved = sum(int((a != f.detach().chunk(2)[r["part"]]).sum()) for a, f in zip(r["last"], whole))
+        assert moved > 0
+        for got, exp in zip(r["last"], want):
+            assert torch.equal(got, exp)

@@ -22,6 +22,7 @@ ORDER = [
     "gpu",
     "trainer_gpu",
     "quant",
+    "fsdp",
 ]
 ISSUE_ITEM = {
     "outer_step": "1. Outer step vs memory bandwidth",
@@ -33,6 +34,7 @@ ISSUE_ITEM = {
     "gpu": "7. GPU",
     "trainer_gpu": "4. Trainer overhead on the GPU (150m)",
     "quant": "8. Int8 / 4-bit encoding with error feedback (issue #13)",
+    "fsdp": "9. Sharded workers: FSDP against DDP inside a DiLoCo worker (issue 53)",
 }
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import concurrent.futures
 import json
 import os
 import shlex
@@ -361,26 +360,34 @@ def _failure(node: NodeLaunch, code: int) -> str:
 
 def run_cluster(name: str, launches: list[NodeLaunch]) -> None:
     """Start every node's launch over ssh and wait for all. The first node that fails stops the others
-    (their launches checkpoint and exit) and the run fails naming it; so does Ctrl+C here."""
+    (their launches checkpoint and exit) and the run fails naming it; so does Ctrl+C here, after the nodes
+    have checkpointed and exited. The waiting is on this thread, in steps of POLL_S: a SIGINT that the
+    kernel hands to another thread of this process would not wake one blocked without a timeout."""
     procs = [(n, subprocess.Popen([*SSH, n.host, n.command], stdin=subprocess.PIPE)) for n in launches]
 
     def stop_all() -> None:
         for _, p in procs:
-            p.stdin.close()  # the node's watcher sees the end of its stdin: SIGTERM to its launch
+            if not p.stdin.closed:
+                p.stdin.close()  # the node's watcher sees the end of its stdin: SIGTERM to its launch
 
     first: tuple[NodeLaunch, int] | None = None  # the first node that failed, and its exit code
-    with concurrent.futures.ThreadPoolExecutor(len(procs)) as pool:
-        waits = {pool.submit(p.wait): n for n, p in procs}
-        try:
-            for done in concurrent.futures.as_completed(waits):
-                if done.result() != 0 and first is None:  # what the others do after the stop is its doing
-                    first = (waits[done], done.result())
+    try:
+        running = list(procs)
+        while running:
+            for node, p in list(running):
+                if (code := _wait_step(p)) is None:
+                    continue
+                running.remove((node, p))
+                if code != 0 and first is None:  # what the others do after the stop is its doing
+                    first = (node, code)
                     stop_all()
-        except KeyboardInterrupt:
-            stop_all()
-            raise
-        finally:
-            stop_all()  # a finished node's watcher ends with its stdin
+    except KeyboardInterrupt:
+        stop_all()
+        for _, p in procs:
+            p.wait()  # each node checkpoints, then exits
+        raise
+    finally:
+        stop_all()  # a finished node's watcher ends with its stdin
     if first is not None:
         node, code = first
         others = ", ".join(n.host for n in launches if n is not node)
@@ -389,6 +396,16 @@ def run_cluster(name: str, launches: list[NodeLaunch]) -> None:
             + (f"; the other nodes were stopped ({others})" if others else "")
             + "; the family's next runs were not started"
         )
+
+
+POLL_S = 0.2
+
+
+def _wait_step(p: subprocess.Popen) -> int | None:
+    try:
+        return p.wait(timeout=POLL_S)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def run_local(name: str, runs: Path, overrides: list[str] = (), device: str = "cpu") -> None:
