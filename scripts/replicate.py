@@ -7,7 +7,8 @@ lists the commands; this file keeps the command the Makefile and the README name
 
 import sys
 
-from diloco.experiments.run import main
+from diloco.experiments.run import main, take_ctrl_c
 
 if __name__ == "__main__":
+    take_ctrl_c()
     sys.exit(main())

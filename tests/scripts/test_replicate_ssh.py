@@ -213,8 +213,13 @@ def test_ctrl_c_stops_every_node_with_a_checkpoint(tmp_path, rendezvous):
         tmp_path / "replicate.err",
     )  # files: a full pipe would stall the nodes
     with out.open("w") as o, err.open("w") as e:
-        proc = subprocess.Popen(
-            replicate_cmd(tmp_path, rendezvous, *long), cwd=ROOT, env=env, stdout=o, stderr=e
+        proc = subprocess.Popen(  # SIGINT ignored, as a script's background job (`make ... &`) starts it
+            replicate_cmd(tmp_path, rendezvous, *long),
+            cwd=ROOT,
+            env=env,
+            stdout=o,
+            stderr=e,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
         )
     metrics = tmp_path / "runs" / "tiny-ddp-mx" / "metrics.jsonl"
     try:

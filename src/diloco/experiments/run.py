@@ -564,8 +564,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    # Ctrl+C stops the nodes (run_cluster) also when this was started from a script's background job, which
-    # inherits SIGINT ignored and so would never see it; the trainer's StopFlag installs its handler likewise
+def take_ctrl_c() -> None:
+    """For the command's entry point: Ctrl+C stops the nodes (run_cluster) also when the runner was started
+    from a script's background job (`make replicate-... &`), which inherits SIGINT ignored and would never
+    see it; the trainer's StopFlag installs its own handler likewise."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+if __name__ == "__main__":
+    take_ctrl_c()
     sys.exit(main())
