@@ -128,10 +128,10 @@ ladder-law: setup  ## issue 33: 4x DDP vs DiLoCo at 133k, 262k, 689k params in t
 ladder-controlled: setup  ## issue 42: 4x DDP (one process) vs DiLoCo at 33k, 131k, 359k non-embedding params, 20 tokens per non-embedding parameter and 2,048-token batches on every rung, lr swept per rung and method at 2 seeds, 3 fresh report seeds (~5 h on 2 idle cores; RUNGS=name to run one batch) -> results/ladder-controlled
 	$(PY) scripts/ladder_controlled.py --runs $(RUNS)/ladder-controlled $(if $(RUNGS),--rungs $(RUNGS),)
 
-ladder-rounds: setup  ## issue 55: the controlled ladder at H = 10 / 30 / 90 x outer optimizer, DiLoCo vs 4x DDP at equal tokens, 3 report seeds that order the data (~4 h on 2 idle cores; RUNGS=name to run one batch) -> results/ladder-rounds
+ladder-rounds: setup  ## issue 55: the controlled ladder at H = 10 / 30 / 90 x outer optimizer, DiLoCo vs 4x DDP at equal tokens, 3 report seeds that order the data (~12 h on 2 idle cores, most of it the 359k rung; RUNGS=name to run one batch) -> results/ladder-rounds
 	$(PY) scripts/ladder_rounds.py --runs $(RUNS)/ladder-rounds $(if $(RUNGS),--rungs $(RUNGS),)
 
-stale-rounds: setup  ## issue 55: the spec's outer step vs the paper's delayed Nesterov on uneven, stale DumbDiLoCo rounds (1-8 deltas) emulated in one process, against even rounds, 2 seeds (~25 min on 2 idle cores) -> results/stale-rounds
+stale-rounds: setup  ## issue 55: the spec's outer step vs the paper's delayed Nesterov on uneven, stale DumbDiLoCo rounds (1-8 deltas) emulated in one process, against even rounds, 2 seeds (~5 min on 2 idle cores) -> results/stale-rounds
 	$(PY) scripts/stale_rounds.py
 
 tune-tiny: setup  ## fair tuning of the tiny family on the eval split's tuning half, 2 seeds (~50 min on 2 cores) -> results/tiny-tuning

@@ -10,7 +10,8 @@ installer and codec, the spec's `replace` install and inner-optimizer reset) tra
 their shards of the bundled sample, and one real master outer loop (`OuterLoop.run_once`) over a shared
 directory takes the deltas that the schedule says arrived in each round. `UNEVEN`: 24 deltas (8 per node
 of H steps) in 5 rounds of 1, 3, 7, 5 and 8, up to 4 increments of one node in one round; `EVEN`: the same
-24 deltas in 8 rounds of one per node (a synchronous round, the reference). The variants are the
+24 deltas in 8 rounds of one per node (even, but not synchronous: a node uploads before the master
+aggregates its round, so each delta is one round stale; results/stale-rounds/README.md). The variants are the
 master's outer optimizer: the spec's Nesterov step per round, the paper's delayed Nesterov (period 3, the
 node count; src/diloco/outer.py), and delayed Nesterov with staleness weighting. Each run ends with the
 final global's held-out loss beside the initial one's, at 2 seeds (each orders the data and seeds the
