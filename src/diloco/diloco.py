@@ -563,8 +563,20 @@ class DiLoCo:
         }
 
     def close(self) -> None:
-        if self._transfer is not None:
-            self._transfer.shutdown(wait=True, cancel_futures=True)
+        """Finish the exchanges already submitted, then stop the transfer thread. Every worker submitted
+        the same exchanges in the same order, so cancelling a queued one here while a peer's thread has
+        started it would leave that peer waiting out its whole timeout; after one exchange fails (a dead
+        peer) the rest are cancelled."""
+        if self._transfer is None:
+            return
+        for job in self._in_flight:
+            if job.future is None:
+                continue
+            try:
+                job.future.result()
+            except Exception:  # the run already failed or is failing: do not wait on the others
+                break
+        self._transfer.shutdown(wait=True, cancel_futures=True)
 
     def _ddp_bytes(self) -> int:
         return self.inner_strategy.total_bytes if self.inner_strategy is not None else 0
