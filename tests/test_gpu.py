@@ -1,5 +1,6 @@
 """The trainer on CUDA: bf16 eager and compiled steps agree with each other and with float32, a resume
-continues the run, a DumbDiLoCo master and worker train on the GPU, and W ranks share one GPU (gloo).
+continues the run, a DumbDiLoCo master and worker train on the GPU, W ranks share one GPU (gloo), and an
+FSDP2 worker (bf16 parameters, float32 reductions) follows the unsharded bf16 run.
 `make test-gpu` runs these; without CUDA they are skipped (DILOCO_GPU_TESTS_ON_CPU=1 runs them on the
 CPU, to check the tests)."""
 
@@ -146,3 +147,22 @@ def test_ranks_share_one_gpu_through_gloo(tmp_path, mode, ranks):
     assert summary["world_size"] == ranks and summary["step"] == STEPS
     assert summary["device"] == ("cuda:0" if DEVICE == "cuda" else "cpu")
     assert summary["comm/total_bytes"] > 0
+
+
+def test_fsdp_bf16_follows_the_unsharded_bf16_run(tmp_path):
+    """worker_parallel=fsdp on the device (issue 53): FSDP2 with its CUDA MixedPrecisionPolicy (bf16
+    parameters for compute, float32 gradient reductions and float32 master weights) follows the same run
+    without sharding under bf16 autocast, to bf16 round-off, and the sharded checkpoint is written. One
+    rank on the one GPU (nccl): the bf16 path of the sharded step is what is checked, the shard-wise
+    reductions are checked over gloo on CPU (tests/sync/test_fsdp.py). On the CPU (DILOCO_GPU_TESTS_ON_CPU)
+    the policy is float32 and so is this comparison's path."""
+    from mp_utils import run_trainer
+
+    common = [*SMALL, *GPU, "precision=bf16", "compile=false", f"out_dir={tmp_path}", "distributed=ddp"]
+    run_trainer(1, [*common, "run_name=plain"])
+    run_trainer(1, [*common, "run_name=fsdp", "distributed.worker_parallel=fsdp"])
+    plain, fsdp = _losses(tmp_path / "plain"), _losses(tmp_path / "fsdp")
+    assert len(plain) == len(fsdp) == STEPS
+    assert fsdp == pytest.approx(plain, rel=5e-2)
+    assert fsdp[-1] < fsdp[0] and math.isfinite(_summary(tmp_path / "fsdp")["final_eval_loss"])
+    assert _summary(tmp_path / "fsdp")["device"].startswith(DEVICE)
