@@ -125,6 +125,30 @@ def test_diloco_with_fsdp_workers_equals_diloco_with_ddp_workers(tmp_path, dtype
     assert size(fsdp_state) * 2 == pytest.approx(size(ddp_state), rel=0.01)
 
 
+def test_compiled_fsdp_diloco_trains_as_eager_and_recompiles_nothing_after_its_first_round(tmp_path):
+    """compile=true, the path a GPU takes by default, on CPU (inductor's C++ backend) with FSDP2 workers:
+    2 workers of 1 rank (gloo), H=2. The compiled run's losses follow the eager run's, and the number of
+    `TORCH_LOGS=recompiles` lines after 3 rounds is the number after 1 round: every recompilation (the
+    FSDP-wrapped class, the first calls' signatures) happens in the first round, none later. Counted, not
+    timed: the two runs are the same up to their length. One rank per worker keeps it to 2 compiling
+    processes; the shard-wise exchange is the same code at any G (checked above at G=2)."""
+    common = [*TORCHRUN_TRAIN_2, *SMALL, "distributed=diloco", "distributed.ranks_per_worker=1"]
+    common += ["distributed.inner_steps=2", "distributed.worker_parallel=fsdp", f"out_dir={tmp_path}"]
+
+    def run(name: str, steps: int, compiled: bool) -> tuple[list[float], int]:
+        cmd = [*common, f"train.max_steps={steps}", f"compile={str(compiled).lower()}", f"run_name={name}"]
+        env = {**os.environ, **QUIET_ENV, "TORCH_LOGS": "recompiles"}
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return losses(tmp_path / name), done.stderr.count("Recompiling function")
+
+    eager, _ = run("eager", 6, compiled=False)
+    compiled, after_three = run("compiled", 6, compiled=True)
+    _, after_one = run("one_round", 2, compiled=True)
+    assert len(compiled) == 6 and compiled == pytest.approx(eager, rel=1e-4)
+    assert after_three == after_one, f"{after_three - after_one} recompilation(s) after the first round"
+
+
 def test_a_stopped_fsdp_diloco_run_resumes_bit_for_bit(tmp_path):
     """2 workers x 2 FSDP ranks, stopped mid-round at step 3 (the checkpoint every run writes at its end)
     and resumed to step 6: every logged loss and every rank's model shard equal the uninterrupted run's."""
