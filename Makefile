@@ -70,7 +70,7 @@ lint: setup  ## ruff
 # module fixture stay together on one, so it is built once: tests/conftest.py), then the tests bounded in
 # seconds (`alone`) one at a time with the machine to themselves (issue 54).
 TEST_WORKERS ?= auto
-test: setup lint  ## lint + the whole test suite (about 21 minutes on 2 idle cores with set-up; GPU tests skip without CUDA)
+test: setup lint  ## lint + the whole test suite (about 24 minutes on 2 idle cores with set-up; GPU tests skip without CUDA)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not alone"
 	$(PY) -m pytest -q -m alone
 
