@@ -152,11 +152,13 @@ def test_ranks_share_one_gpu_through_gloo(tmp_path, mode, ranks):
 def test_fsdp_bf16_follows_the_unsharded_bf16_run(tmp_path):
     """worker_parallel=fsdp on the device (issue 53): FSDP2 with its CUDA MixedPrecisionPolicy (bf16
     parameters for compute, float32 gradient reductions and float32 master weights) follows the same run
-    without sharding under bf16 autocast, to bf16 round-off, and the sharded checkpoint is written. One
+    without sharding under bf16 autocast, to bf16 round-off, and writes its checkpoint. One
     rank on the one GPU (nccl): the bf16 path of the sharded step is what is checked, the shard-wise
     reductions are checked over gloo on CPU (tests/sync/test_fsdp.py). On the CPU (DILOCO_GPU_TESTS_ON_CPU)
     the policy is float32 and so is this comparison's path."""
     from mp_utils import run_trainer
+
+    from diloco import checkpoint
 
     common = [*SMALL, *GPU, "precision=bf16", "compile=false", f"out_dir={tmp_path}", "distributed=ddp"]
     run_trainer(1, [*common, "run_name=plain"])
@@ -166,3 +168,4 @@ def test_fsdp_bf16_follows_the_unsharded_bf16_run(tmp_path):
     assert fsdp == pytest.approx(plain, rel=5e-2)
     assert fsdp[-1] < fsdp[0] and math.isfinite(_summary(tmp_path / "fsdp")["final_eval_loss"])
     assert _summary(tmp_path / "fsdp")["device"].startswith(DEVICE)
+    assert (checkpoint.latest(tmp_path / "fsdp") / "rank0.pt").exists()

@@ -570,10 +570,8 @@ class DiLoCo:
         if self._transfer is None:
             return
         for job in self._in_flight:
-            if job.future is None:
-                continue
             try:
-                job.future.result()
+                job.wait()
             except Exception:  # the run already failed or is failing: do not wait on the others
                 break
         self._transfer.shutdown(wait=True, cancel_futures=True)
